@@ -1,0 +1,28 @@
+"""Built-in denoisers, registered through the ``opacus_spectral`` entry-point group like any plugin.
+
+The classes are imported only when a user asks for them, so a problem in one never affects the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .hookspecs import hookimpl
+
+
+def _rmt(**kwargs: Any) -> Any:
+    from .rmt import RMTDenoiser
+
+    return RMTDenoiser(**kwargs)
+
+
+def _lowpass(**kwargs: Any) -> Any:
+    from .lowpass import LowPassDenoiser
+
+    return LowPassDenoiser(**kwargs)
+
+
+@hookimpl
+def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:
+    return {"rmt": _rmt, "lowpass": _lowpass}

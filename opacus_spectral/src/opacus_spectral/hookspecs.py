@@ -1,0 +1,55 @@
+"""Every pluggy hook of opacus-spectral, in one place.
+
+Plugins are modules (or objects) exposed through the entry-point group ``opacus_spectral``::
+
+    [project.entry-points.opacus_spectral]
+    my_plugin = "my_package.plugin"
+
+and implement any of the hooks below with ``@opacus_spectral.hookimpl``. A plugin that fails to import
+or whose hook signature does not match a spec is skipped with one warning; the others still load
+(see :func:`opacus_spectral.registry.available_denoisers`).
+
+Order: pluggy calls implementations last-registered-first. Nothing here depends on that order: denoisers
+are applied in the order of the user's ``post_hooks`` list, and role answers are merged by specificity
+(see :func:`opacus_spectral_parameter_roles`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pluggy
+from torch import nn
+
+from .records import ParameterRole
+
+PROJECT = "opacus_spectral"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:  # type: ignore[empty-body]
+    """Return the denoisers this plugin provides: ``{name: factory}``.
+
+    ``factory(**kwargs)`` builds a denoiser (any callable on a sequence of
+    :class:`~opacus_spectral.NoisyGradient`, usually a :class:`~opacus_spectral.Denoiser` subclass);
+    ``kwargs`` come from ``post_hooks=[(name, {...})]``. Names must be unique across plugins: a duplicate
+    is reported as a load error and the first-loaded one is kept.
+    """
+
+
+@hookspec
+def opacus_spectral_parameter_roles(  # type: ignore[empty-body]
+    module: nn.Module,
+) -> Mapping[str, ParameterRole | str] | None:
+    """Tell denoisers what a parameter *is*.
+
+    Given the user's (unwrapped) model, return ``{qualified_param_name: ParameterRole(role, layer)}`` for
+    the parameters this plugin recognises (e.g. peft-lalora marks LoRA ``lora_A`` / ``lora_B`` factors and
+    their layer), or ``None``. Names are those of ``module.named_parameters()``. Parameters no plugin names
+    get the built-in role (``weight`` / ``bias`` / ``embedding``). When two plugins name the same
+    parameter differently the one registered first wins and a warning is issued.
+    """

@@ -1,0 +1,172 @@
+"""Installing the post-noise pipeline on an Opacus optimizer.
+
+Where it runs (``../shared/notes/upstream.md`` §1.3): a step **pre-hook on the inner optimizer**
+(``dp_optimizer.original_optimizer``). That hook fires after Opacus' clipping, noise, scaling, accountant
+and — under DDP — the all-reduce, for every Opacus optimizer class, and once per logical step
+(BatchMemoryManager's virtual steps never reach the inner optimizer). Opacus' single ``step_hook`` slot is
+*chained* (never replaced): the previous hook (the accountant) runs first, then a snapshot of sigma, which
+for AdaClip must be taken before the clipping bound is updated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from opacus.optimizers import (
+    DPOptimizer,
+    DPPerLayerOptimizer,
+    FSDPOptimizerFastGradientClipping,
+)
+from torch import nn
+
+from .calibration import clean_scale, noise_std, world_size
+from .pipeline import DenoiserError, OnError, PipelineDiagnostics, PostNoisePipeline
+from .registry import HookSpec, Registry, create_denoisers, get_registry
+from .roles import ParamInfo, describe_parameters
+
+_HANDLE_ATTR = "_opacus_spectral_handle"
+
+
+class PostHookHandle:
+    """A live installation of the pipeline on one DPOptimizer. ``remove()`` detaches it."""
+
+    def __init__(
+        self,
+        dp_optimizer: DPOptimizer,
+        pipeline: PostNoisePipeline,
+        module: nn.Module | None,
+        registry: Registry | None,
+    ) -> None:
+        self.optimizer = dp_optimizer
+        self.pipeline = pipeline
+        self._module = module
+        self._registry = registry
+        self._infos: dict[int, ParamInfo] = {}
+        self._sigma: float | None = None
+        self._scale: float | None = None
+        self._removed = False
+        self._prev_step_hook = dp_optimizer.step_hook
+        # per-layer clipping pairs norms with params positionally: remember the wrap-time order
+        self._per_layer_ids = (
+            [id(p) for p in dp_optimizer.params] if isinstance(dp_optimizer, DPPerLayerOptimizer) else None
+        )
+        dp_optimizer.step_hook = self._step_hook
+        self._torch_handle = dp_optimizer.original_optimizer.register_step_pre_hook(self._pre_step)
+        setattr(dp_optimizer.original_optimizer, _HANDLE_ATTR, self)
+
+    # -- public ---------------------------------------------------------------------------------------
+    @property
+    def diagnostics(self) -> PipelineDiagnostics:
+        return self.pipeline.diagnostics
+
+    @property
+    def denoisers(self) -> list[Any]:
+        return self.pipeline.denoisers
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.pipeline.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipeline.load_state_dict(state)
+
+    def remove(self) -> None:
+        """Detach: the optimizer behaves exactly as before installation (the accountant hook stays)."""
+        if self._removed:
+            return
+        self._removed = True
+        self._torch_handle.remove()
+        if self.optimizer.step_hook == self._step_hook:
+            self.optimizer.step_hook = self._prev_step_hook
+        inner = self.optimizer.original_optimizer
+        if getattr(inner, _HANDLE_ATTR, None) is self:
+            delattr(inner, _HANDLE_ATTR)
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def _step_hook(self, opt: DPOptimizer) -> None:
+        if self._per_layer_ids is not None and [id(p) for p in opt.params] != self._per_layer_ids:
+            raise RuntimeError(
+                "clipping='per_layer' pairs clipping norms with the trainable parameters by position; the set of "
+                "trainable parameters changed since make_private (e.g. alternating LoRA factors), so norms would "
+                "be applied to the wrong parameters. Use clipping='flat' with parameter toggling."
+            )
+        if self._prev_step_hook is not None:
+            self._prev_step_hook(opt)
+        if not self._removed:
+            self._sigma = noise_std(opt)
+            self._scale = clean_scale(opt) if self.pipeline.oracle else None
+
+    def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        opt = self.optimizer
+        sigma = self._sigma if self._sigma is not None else noise_std(opt)
+        self._sigma = None
+        params = [p for p in opt.params if p.grad is not None]
+        if not params:
+            return
+        missing = [p for p in params if id(p) not in self._infos]
+        if missing:
+            self._infos.update(describe_parameters(opt.params, self._module, self._registry))
+        infos = [self._infos[id(p)] for p in params]
+        clean = None
+        if self.pipeline.oracle:
+            scale = self._scale if self._scale is not None else clean_scale(opt)
+            clean = [
+                (p.summed_grad.view_as(p.grad) * scale) if getattr(p, "summed_grad", None) is not None
+                else torch.full_like(p.grad, float("nan"))
+                for p in params
+            ]
+        try:
+            out = self.pipeline.run([p.grad for p in params], infos, sigma, clean)
+        except DenoiserError:
+            for p in params:  # never let the caller step on a gradient a denoiser may have corrupted in place
+                p.grad = None
+            raise
+        for p, g in zip(params, out):
+            p.grad = g
+
+
+def _check_supported(dp_optimizer: Any) -> None:
+    if not isinstance(dp_optimizer, DPOptimizer):
+        raise TypeError(
+            f"install_post_hooks needs an Opacus DPOptimizer (from make_private), got {type(dp_optimizer).__name__}"
+        )
+    if isinstance(dp_optimizer, FSDPOptimizerFastGradientClipping):
+        raise NotImplementedError(
+            "FSDP (grad_sample_mode='ghost_fsdp') is not supported by opacus_spectral v1: its gradients are sharded "
+            "DTensors and a spectral denoiser needs each full matrix. Use DDP, or train without post_hooks."
+        )
+
+
+def install_post_hooks(
+    dp_optimizer: DPOptimizer,
+    hooks: Sequence[HookSpec],
+    *,
+    module: nn.Module | None = None,
+    on_error: OnError = "raise",
+    oracle: bool = False,
+    history: int = 1000,
+    registry: Registry | None = None,
+) -> PostHookHandle:
+    """Run ``hooks`` (names, ``(name, kwargs)`` pairs or denoiser callables, in this order) on every noisy step.
+
+    Args:
+        dp_optimizer: an Opacus ``DPOptimizer`` (any subclass except FSDP).
+        hooks: the denoisers; ``[]`` installs a pipeline that leaves gradients bit-identical.
+        module: the model (wrapped or not) — used to name parameters and ask role plugins about them.
+        on_error: ``"raise"`` (default) or ``"fallback"`` (keep the noisy gradient, warn once, count).
+        oracle: record cos(noisy, clean) vs cos(denoised, clean) each step (benchmarks; costs syncs).
+        history: how many steps of diagnostics to keep.
+    """
+    _check_supported(dp_optimizer)
+    if oracle and world_size(dp_optimizer) > 1:
+        raise ValueError("oracle diagnostics need the clean gradient, which DDP ranks never share; use oracle=False")
+    reg = registry or get_registry()
+    denoisers = create_denoisers(hooks, reg)
+    old = getattr(dp_optimizer.original_optimizer, _HANDLE_ATTR, None)
+    if old is not None:
+        warnings.warn("replacing post hooks previously installed on this optimizer", RuntimeWarning, stacklevel=2)
+        old.remove()
+    pipeline = PostNoisePipeline(denoisers, on_error=on_error, oracle=oracle, history=history)
+    return PostHookHandle(dp_optimizer, pipeline, module, reg)
