@@ -1,0 +1,155 @@
+"""Conformance kit for denoiser authors: one call a plugin's own tests run to check the contract.
+
+    from opacus_spectral.testing import check_denoiser
+
+    def test_conformance():
+        check_denoiser(lambda: MyDenoiser(), stateful=False)
+
+It raises ``AssertionError`` naming the first broken rule. What it checks (see ``docs/plugins.md``):
+
+1. float32, float16 and bfloat16 gradients come back with the same shape, dtype and device, and finite, through
+   the engine's own validator (:class:`~opacus_spectral.pipeline.PostNoisePipeline` with ``on_error="raise"``);
+   1-D, empty and ≥3-D tensors are accepted.
+2. ``sigma = 0`` leaves every gradient bit-identical (opt out with ``sigma_zero_identity=False`` and document why).
+3. Determinism: two fresh instances fed the same sequence give bit-identical outputs (needed for DDP ranks).
+4. Records only: record metadata is not modified, and the denoiser keeps no reference to the records or their
+   tensors after the call (a stateful denoiser copies what it needs).
+5. Stateful denoisers (``stateful=True``): ``state_dict()`` survives ``torch.save``/``torch.load``, and a fresh
+   instance loaded mid-sequence continues with exactly the outputs of an uninterrupted run; ``reset()`` returns
+   to the initial behaviour.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .pipeline import PostNoisePipeline
+from .records import ROLE_BIAS, ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
+from .roles import ParamInfo
+
+#: (name, role, shape) of the gradients the kit feeds: LoRA factors, a Linear weight, a conv kernel, a bias,
+#: two same-shape matrices (batching) and an empty tensor.
+DEFAULT_LAYOUT: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("layer0.lora_A.weight", ROLE_LORA_A, (4, 48)),
+    ("layer0.lora_B.weight", ROLE_LORA_B, (40, 4)),
+    ("layer1.lora_A.weight", ROLE_LORA_A, (4, 48)),
+    ("layer1.lora_B.weight", ROLE_LORA_B, (40, 4)),
+    ("dense.weight", ROLE_WEIGHT, (40, 48)),
+    ("conv.weight", ROLE_WEIGHT, (8, 3, 3, 3)),
+    ("dense.bias", ROLE_BIAS, (40,)),
+    ("empty.weight", ROLE_WEIGHT, (0, 5)),
+)
+
+
+def make_gradients(
+    step: int,
+    *,
+    sigma: float,
+    layout: Sequence[tuple[str, str, tuple[int, ...]]] = DEFAULT_LAYOUT,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """Deterministic noisy gradients: a rank-2 signal plus ``sigma``-scaled Gaussian noise, per layout entry."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    out = []
+    for _, _, shape in layout:
+        if len(shape) >= 2 and all(shape):
+            m, n = shape[0], int(torch.tensor(shape[1:]).prod())
+            u, v = torch.randn(m, 2, generator=g), torch.randn(2, n, generator=g)
+            signal = (u @ v).reshape(shape) * (5.0 * max(sigma, 1e-3))
+        else:
+            signal = torch.randn(shape, generator=g) * max(sigma, 1e-3)
+        out.append((signal + sigma * torch.randn(shape, generator=g)).to(dtype=dtype, device=device))
+    return out
+
+
+def _infos(layout: Sequence[tuple[str, str, tuple[int, ...]]]) -> list[ParamInfo]:
+    return [ParamInfo(name, role, name.rsplit(".", 2)[0]) for name, role, _ in layout]
+
+
+def _run(pipe: PostNoisePipeline, grads: list[torch.Tensor], infos: list[ParamInfo], sigma: float) -> list[torch.Tensor]:
+    return [t.clone() for t in pipe.run([g.clone() for g in grads], infos, sigma)]
+
+
+def _equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def check_denoiser(
+    factory: Callable[[], Any],
+    *,
+    stateful: bool = False,
+    device: str | torch.device = "cpu",
+    sigma: float = 0.05,
+    steps: int = 4,
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16),
+    sigma_zero_identity: bool = True,
+    layout: Sequence[tuple[str, str, tuple[int, ...]]] = DEFAULT_LAYOUT,
+) -> None:
+    """Check that ``factory()`` builds a denoiser honouring the opacus-spectral contract (module docstring)."""
+    infos = _infos(layout)
+    name = type(factory()).__name__
+
+    # 1. dtypes, shapes, devices, finiteness — through the engine's validator
+    for dtype in dtypes:
+        pipe = PostNoisePipeline([factory()], on_error="raise")
+        for step in range(steps):
+            grads = make_gradients(step, sigma=sigma, layout=layout, dtype=dtype, device=device)
+            out = _run(pipe, grads, infos, sigma)
+            for (pname, _, shape), o in zip(layout, out):
+                assert o.dtype == dtype and tuple(o.shape) == shape, f"{name}: {pname} {dtype} changed"
+                assert o.device == torch.device(device) or o.device.type == torch.device(device).type
+                assert bool(torch.isfinite(o).all()), f"{name}: {pname} became non-finite ({dtype})"
+
+    # 2. sigma = 0
+    if sigma_zero_identity:
+        pipe = PostNoisePipeline([factory()])
+        for step in range(2):
+            grads = make_gradients(step, sigma=0.0, layout=layout, device=device)
+            assert _equal(_run(pipe, grads, infos, 0.0), grads), f"{name}: sigma=0 changed a gradient"
+
+    # 3. determinism across fresh instances
+    seqs = []
+    for _ in range(2):
+        pipe = PostNoisePipeline([factory()])
+        seqs.append([_run(pipe, make_gradients(s, sigma=sigma, layout=layout, device=device), infos, sigma)
+                     for s in range(steps)])
+    for s in range(steps):
+        assert _equal(seqs[0][s], seqs[1][s]), f"{name}: not deterministic at step {s}"
+
+    # 4. records only: metadata untouched, no reference kept
+    d = factory()
+    grads = make_gradients(0, sigma=sigma, layout=layout, device=device)
+    records = [NoisyGradient(i.name, i.role, g, sigma, 0, i.layer) for i, g in zip(infos, grads)]
+    meta = [(r.name, r.role, r.sigma, r.step, r.layer) for r in records]
+    result = d(records)
+    assert meta == [(r.name, r.role, r.sigma, r.step, r.layer) for r in records], f"{name}: changed record metadata"
+    refs = [weakref.ref(g) for g in grads]  # a kept record keeps its tensor alive too
+    del records, grads, result
+    gc.collect()
+    assert all(ref() is None for ref in refs), f"{name}: keeps references to the records or their tensors"
+
+    # 5. state_dict round trip
+    if stateful:
+        full = PostNoisePipeline([factory()])
+        first = PostNoisePipeline([factory()])
+        seq = [make_gradients(s, sigma=sigma, layout=layout, device=device) for s in range(2 * steps)]
+        ref_out = [_run(full, g, infos, sigma) for g in seq]
+        for g in seq[:steps]:
+            _run(first, g, infos, sigma)
+        buf = io.BytesIO()
+        torch.save(first.denoisers[0].state_dict(), buf)
+        buf.seek(0)
+        resumed = PostNoisePipeline([factory()])
+        resumed.denoisers[0].load_state_dict(torch.load(buf, weights_only=False))
+        for s in range(steps, 2 * steps):
+            assert _equal(_run(resumed, seq[s], infos, sigma), ref_out[s]), f"{name}: resume differs at step {s}"
+        full.denoisers[0].reset()
+        assert _equal(_run(full, seq[0], infos, sigma), ref_out[0]), f"{name}: reset() did not restore the start"
