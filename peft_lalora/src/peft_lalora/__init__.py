@@ -1,0 +1,34 @@
+"""peft-lalora: LA-LoRA (LoRA with step-wise alternating factor updates) as a PEFT tuner.
+
+Importing this package registers the PEFT type ``"LALORA"`` (idempotent), so ``get_peft_model``,
+``PeftModel.from_pretrained``, ``AutoPeftModel*``, ``save_pretrained`` and ``merge_and_unload`` work with
+:class:`LALoraConfig`. DP parts (``opacus_spectral``) are imported lazily, behind the ``[dp]`` extra.
+"""
+
+from .config import ALTERNATION_MODES, LALoraConfig, LALoraPeftType
+from .controller import AlternationController, LALoraTrainerCallback, phase_at
+from .export import export_as_lora, to_lora_config
+from .factors import LoraFactor, find_lora_factors, lalora_param_groups
+from .model import LALoraModel
+from .registration import is_registered, register
+
+register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALTERNATION_MODES",
+    "AlternationController",
+    "LALoraConfig",
+    "LALoraModel",
+    "LALoraPeftType",
+    "LALoraTrainerCallback",
+    "LoraFactor",
+    "export_as_lora",
+    "find_lora_factors",
+    "is_registered",
+    "lalora_param_groups",
+    "phase_at",
+    "register",
+    "to_lora_config",
+]

@@ -1,0 +1,90 @@
+"""``LALoraConfig``: a ``LoraConfig`` plus the alternation schedule of LA-LoRA and its baselines.
+
+LA-LoRA (Rethinking LoRA for Privacy-Preserving Federated Learning in Large Models, ICLR 2026) updates
+the LoRA factors of ``ΔW = s·B·A`` alternately: one optimizer step trains B with A frozen, the next trains
+A with B frozen, and so on. Each step then perturbs only one factor, which removes the second-order noise
+term ``s·N_B·N_A`` of DP-LoRA from ``ΔW``. The baselines of the paper are the other modes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from peft import LoraConfig
+
+#: alternation modes, and the method of the paper each one reproduces
+ALTERNATION_MODES: dict[str, str] = {
+    "step": "LA-LoRA: B and A alternate every optimizer step (the counter restarts each round)",
+    "round": "RoLoRA: one factor per federated round, the other one in the next round",
+    "freeze_a": "FFA-LoRA: A stays at its initialisation, B trains every step",
+    "none": "DP-LoRA: both factors train every step (plain LoRA)",
+}
+FACTORS: tuple[str, str] = ("B", "A")
+
+AlternationMode = Literal["step", "round", "freeze_a", "none"]
+Factor = Literal["B", "A"]
+
+
+class LALoraPeftType(str, enum.Enum):
+    """PEFT type of this tuner. A ``(str, Enum)``: PEFT looks it up as the plain string ``"LALORA"`` and
+    transformers reads ``peft_config.peft_type.value``."""
+
+    LALORA = "LALORA"
+
+
+@dataclass
+class LALoraConfig(LoraConfig):
+    """LoRA configuration with an alternation schedule for the factors A and B.
+
+    Everything of :class:`peft.LoraConfig` applies (``r``, ``lora_alpha``, ``target_modules``,
+    ``modules_to_save``, ``fan_in_fan_out``, ...). The two new fields only decide *which factor trains on
+    which optimizer step*; they are applied by :class:`peft_lalora.AlternationController`, and the forward
+    pass is exactly LoRA's ``h = W x + s·B A x``.
+
+    Args:
+        alternation: ``"step"`` (LA-LoRA, default), ``"round"`` (RoLoRA), ``"freeze_a"`` (FFA-LoRA) or
+            ``"none"`` (DP-LoRA: both factors every step).
+        first_factor: the factor trained first in ``"step"`` and ``"round"`` mode. ``"B"`` (the paper; with
+            PEFT's default init B = 0, so an A-first step only sees a zero gradient plus DP noise) or
+            ``"A"`` (the public reference code). ``"A"`` is refused with ``"freeze_a"``; it has no effect with
+            ``"none"``.
+
+    Raises:
+        ValueError: unknown ``alternation`` / ``first_factor``, ``first_factor="A"`` with ``"freeze_a"``, or
+            DoRA (``use_dora=True``, whose magnitude vector is neither A nor B) with any alternating mode.
+    """
+
+    alternation: str = field(
+        default="step",
+        metadata={"help": "Which LoRA factor trains when: " + "; ".join(f"'{k}' = {v}" for k, v in ALTERNATION_MODES.items())},
+    )
+    first_factor: str = field(
+        default="B",
+        metadata={"help": "Factor trained first in 'step'/'round' mode: 'B' (paper) or 'A' (reference code)."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # LoraConfig.__post_init__ sets PeftType.LORA; PEFT's mappings resolve our own type.
+        self.peft_type = LALoraPeftType.LALORA
+        validate_schedule(self.alternation, self.first_factor)
+        if self.use_dora and self.alternation != "none":
+            raise ValueError(
+                f"LALoraConfig(alternation={self.alternation!r}) does not support use_dora=True: DoRA's magnitude "
+                "vector belongs to neither factor of the schedule. Use alternation='none' or use_dora=False."
+            )
+
+
+def validate_schedule(alternation: object, first_factor: object) -> None:
+    """Raise ``ValueError`` with the allowed values for an unknown mode/factor or a contradictory pair."""
+    if not isinstance(alternation, str) or alternation not in ALTERNATION_MODES:
+        allowed = ", ".join(f"{k!r} ({v.split(':')[0]})" for k, v in ALTERNATION_MODES.items())
+        raise ValueError(f"Unknown alternation mode {alternation!r}; expected one of {allowed}.")
+    if not isinstance(first_factor, str) or first_factor not in FACTORS:
+        raise ValueError(f"first_factor must be 'B' (paper) or 'A' (reference code), got {first_factor!r}.")
+    if alternation == "freeze_a" and first_factor == "A":
+        raise ValueError(
+            "alternation='freeze_a' (FFA-LoRA) never trains A, so first_factor='A' contradicts it; use first_factor='B'."
+        )

@@ -1,0 +1,335 @@
+"""The alternation controller: which LoRA factor trains on which optimizer step.
+
+Schedules (``k`` = local step within the round, counted from 0; ``t`` = round index; ``F`` = first
+factor, ``F'`` the other one):
+
+==============  ====================================  ====================================
+mode            trainable factor(s)                   method
+==============  ====================================  ====================================
+``"step"``      ``F`` if ``k`` even else ``F'``        LA-LoRA (paper B, Alg. 1)
+``"round"``     ``F`` if ``t`` even else ``F'``        RoLoRA
+``"freeze_a"``  ``B``                                  FFA-LoRA
+``"none"``      ``A`` and ``B``                        DP-LoRA
+==============  ====================================  ====================================
+
+The controller counts *real* optimizer steps: it hooks ``register_step_post_hook`` of a torch optimizer,
+of ``dp_optimizer.original_optimizer`` for an Opacus ``DPOptimizer`` (BatchMemoryManager's virtual steps
+never reach the inner optimizer, so they do not count), or ``on_optimizer_step`` of an HF ``Trainer``.
+After each counted step it applies the next phase: the frozen factor gets ``requires_grad=False`` and
+``grad=None`` (so AdamW moments and weight decay leave it untouched; under Opacus,
+``opacus_spectral.set_trainable`` also drops its per-sample state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .config import ALTERNATION_MODES, validate_schedule
+from .factors import LoraFactor, find_lora_factors
+
+Phase = Literal["A", "B", "AB"]
+
+_STATE_KEYS = ("mode", "first_factor", "step", "round", "round_started", "total_steps")
+
+
+def phase_at(mode: str, first_factor: str, step: int, round_index: int) -> Phase:
+    """Trainable factor(s) at local step ``step`` of round ``round_index`` (pure function of the schedule)."""
+    if mode == "step":
+        index = step % 2
+    elif mode == "round":
+        index = round_index % 2
+    elif mode == "freeze_a":
+        return "B"
+    elif mode == "none":
+        return "AB"
+    else:
+        validate_schedule(mode, first_factor)
+        raise AssertionError("unreachable")
+    other = "A" if first_factor == "B" else "B"
+    return first_factor if index == 0 else other  # type: ignore[return-value]
+
+
+def _is_dp_optimizer(optimizer: object) -> bool:
+    try:
+        from opacus.optimizers import DPOptimizer
+    except ImportError:  # opacus not installed: cannot be a DPOptimizer
+        return False
+    return isinstance(optimizer, DPOptimizer)
+
+
+def _is_trainer(obj: object) -> bool:
+    return hasattr(obj, "add_callback") and hasattr(obj, "create_optimizer") and hasattr(obj, "callback_handler")
+
+
+def _dp_set_trainable() -> Callable[[Sequence[nn.Parameter], bool], None]:
+    try:
+        from opacus_spectral import set_trainable
+    except ImportError as exc:
+        raise ImportError(
+            "AlternationController on an Opacus DPOptimizer needs opacus-spectral (alternation-safe per-sample "
+            "state handling). Install it with `pip install peft-lalora[dp]`."
+        ) from exc
+    return set_trainable
+
+
+class AlternationController:
+    """Applies the alternation schedule of a LALoRA adapter to the LoRA factors, step by step.
+
+    Create it *after* the optimizer (and after ``make_private`` under DP): the optimizer and Opacus must
+    see both factors trainable; the controller then freezes the factor that is not in the initial phase.
+
+    Args:
+        peft_model: the PeftModel (or any module containing LoRA layers, e.g. Opacus's GradSampleModule).
+        optimizer: a torch optimizer, an Opacus ``DPOptimizer``, an HF ``Trainer`` (a callback is added), or
+            ``None`` (call :meth:`advance` yourself after every optimizer step).
+        mode: alternation mode; default: the adapter's ``LALoraConfig.alternation`` (required for a plain
+            ``LoraConfig`` adapter).
+        first_factor: default: the adapter's ``LALoraConfig.first_factor`` (``"B"`` for a plain LoRA adapter).
+        adapter_name: which adapter; default: the active adapter(s).
+
+    Raises:
+        ValueError: unknown mode/factor, no LoRA factors, factors missing from the optimizer, or an Opacus
+            per-layer clipping optimizer with a mode that freezes factors.
+        ImportError: a DPOptimizer without opacus-spectral installed.
+    """
+
+    def __init__(
+        self,
+        peft_model: nn.Module,
+        optimizer: Any = None,
+        *,
+        mode: str | None = None,
+        first_factor: str | None = None,
+        adapter_name: str | Sequence[str] | None = None,
+    ) -> None:
+        mode, first_factor = self._resolve_schedule(peft_model, mode, first_factor, adapter_name)
+        validate_schedule(mode, first_factor)
+        self.mode: str = mode
+        self.first_factor: str = first_factor
+        self.factors: list[LoraFactor] = find_lora_factors(peft_model, adapter_name)
+        if not self.factors:
+            raise ValueError("No LoRA factors found: the model has no peft.tuners.lora.LoraLayer for this adapter.")
+        self._a = [f.param for f in self.factors if f.factor == "A"]
+        self._b = [f.param for f in self.factors if f.factor == "B"]
+        self.step = 0  #: optimizer steps taken in the current round
+        self.round = 0  #: current round index
+        self.round_started = False  #: whether start_round() was called at least once
+        self.total_steps = 0  #: optimizer steps counted since construction (across rounds)
+        self._handle: Any = None
+        self._callback: LALoraTrainerCallback | None = None
+        self._set_trainable: Callable[[Sequence[nn.Parameter], bool], None] = self._plain_set_trainable
+        self._attach(optimizer)
+
+    # ----------------------------------------------------------------------------------------- setup
+    @staticmethod
+    def _resolve_schedule(
+        model: nn.Module, mode: str | None, first_factor: str | None, adapter_name: str | Sequence[str] | None
+    ) -> tuple[str, str]:
+        from .config import LALoraConfig
+
+        configs: list[Any] = []
+        for m in model.modules():
+            peft_config = getattr(m, "peft_config", None)
+            if isinstance(peft_config, dict) and peft_config:
+                names = [adapter_name] if isinstance(adapter_name, str) else adapter_name
+                if names is None:
+                    active = getattr(m, "active_adapters", None) or list(peft_config)
+                    names = [active] if isinstance(active, str) else list(active)
+                configs = [peft_config[n] for n in names if n in peft_config]
+                break
+        lalora = [c for c in configs if isinstance(c, LALoraConfig)]
+        schedules = {(c.alternation, c.first_factor) for c in lalora}
+        if len(schedules) > 1 and (mode is None or first_factor is None):
+            raise ValueError(f"Active adapters disagree on the schedule {sorted(schedules)}; pass mode/first_factor.")
+        if schedules:
+            cfg_mode, cfg_first = schedules.pop()
+            return (mode or cfg_mode, first_factor or cfg_first)
+        if mode is None:
+            raise ValueError(
+                "The adapter is not a LALoraConfig adapter; pass mode= one of " + ", ".join(map(repr, ALTERNATION_MODES))
+            )
+        return mode, first_factor or "B"
+
+    def _attach(self, optimizer: Any) -> None:
+        if optimizer is None:
+            self._apply_phase()
+            return
+        if _is_trainer(optimizer):
+            # The Trainer builds its optimizer in train(), from the params trainable *then*: keep both factors
+            # trainable now and apply the phase at on_train_begin.
+            self._callback = LALoraTrainerCallback(self)
+            optimizer.add_callback(self._callback)
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch optimizer, an Opacus DPOptimizer, an HF Trainer or None, got {type(optimizer)!r}."
+            )
+        self.check_optimizer(optimizer)
+        if _is_dp_optimizer(optimizer):
+            if hasattr(optimizer, "max_grad_norms") and self.mode != "none":
+                raise ValueError(
+                    f"alternation={self.mode!r} cannot be used with Opacus per-layer clipping (clipping='per_layer'): "
+                    "Opacus pairs the per-layer norms with the currently trainable params by position, which is "
+                    "wrong once a factor is frozen. Use clipping='flat' (or alternation='none')."
+                )
+            self._set_trainable = _dp_set_trainable()
+            self._check_trainable_at_wrap_time()
+            inner = optimizer.original_optimizer  # virtual (BatchMemoryManager) steps never call its step()
+        else:
+            inner = optimizer
+        self._handle = inner.register_step_post_hook(self._on_optimizer_step)
+        self._apply_phase()
+
+    def _check_trainable_at_wrap_time(self) -> None:
+        """Under DP, every factor the schedule will train must still be trainable now: Opacus only hooks
+        parameters trainable at ``make_private`` time, so a factor frozen before it can never get a
+        per-sample gradient later."""
+        ever = "B" if self.mode == "freeze_a" else "AB"
+        frozen = [f.name for f in self.factors if f.factor in ever and not f.param.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{len(frozen)} LoRA factor(s) the {self.mode!r} schedule trains are frozen (e.g. {frozen[0]!r}). Both "
+                "factors must be trainable when make_private is called; create the AlternationController after "
+                "make_private and do not freeze factors yourself."
+            )
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise ``ValueError`` if a LoRA factor is not in ``optimizer`` (it would never train)."""
+        in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [f.name for f in self.factors if id(f.param) not in in_opt]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} LoRA factor(s) are not in the optimizer (e.g. {missing[0]!r}); build the optimizer "
+                "while both factors are trainable (before creating the controller), e.g. with "
+                "peft_lalora.lalora_param_groups(model, lr)."
+            )
+
+    # ----------------------------------------------------------------------------------------- schedule
+    @property
+    def phase(self) -> Phase:
+        """Factor(s) trained by the next optimizer step: ``"A"``, ``"B"`` or ``"AB"``."""
+        return phase_at(self.mode, self.first_factor, self.step, self.round)
+
+    def start_round(self, round_index: int | None = None) -> None:
+        """Begin a federated round: reset the local step counter and apply the round's first phase.
+
+        Args:
+            round_index: the server's round number (use it when the controller is rebuilt every round, as in
+                Flower clients). Default: the previous round + 1 — except for a first call before any step,
+                which starts round 0 (so calling it at the top of every round, or only between rounds,
+                gives the same schedule).
+        """
+        if round_index is None:
+            round_index = self.round + 1 if (self.round_started or self.step > 0) else 0
+        if int(round_index) < 0:
+            raise ValueError(f"round_index must be >= 0, got {round_index}.")
+        self.round = int(round_index)
+        self.round_started = True
+        self.step = 0
+        self._apply_phase()
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` optimizer steps and apply the resulting phase (called by the hooks)."""
+        self.step += n
+        self.total_steps += n
+        self._apply_phase()
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.advance(1)
+
+    def _apply_phase(self) -> None:
+        phase = self.phase
+        self._set_trainable(self._a, "A" in phase)
+        self._set_trainable(self._b, "B" in phase)
+
+    @staticmethod
+    def _plain_set_trainable(params: Sequence[nn.Parameter], trainable: bool) -> None:
+        for p in params:
+            p.requires_grad_(trainable)
+            if not trainable:
+                p.grad = None
+
+    def remove(self, *, unfreeze: bool = True) -> None:
+        """Detach from the optimizer; with ``unfreeze`` make both factors trainable again."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._callback is not None:
+            self._callback.controller = None
+            self._callback = None
+        if unfreeze:
+            self._set_trainable(self._a, True)
+            self._set_trainable(self._b, True)
+
+    # ----------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state (plain Python values): mode, first_factor, step, round, round_started,
+        total_steps, and the derived phase."""
+        return {
+            "mode": self.mode,
+            "first_factor": self.first_factor,
+            "step": self.step,
+            "round": self.round,
+            "round_started": self.round_started,
+            "total_steps": self.total_steps,
+            "phase": self.phase,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` and apply its phase.
+
+        Raises:
+            ValueError: missing keys, or a checkpoint of another schedule (mode / first_factor).
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"AlternationController state is missing {missing}.")
+        if (state["mode"], state["first_factor"]) != (self.mode, self.first_factor):
+            raise ValueError(
+                f"Checkpoint schedule (mode={state['mode']!r}, first_factor={state['first_factor']!r}) differs "
+                f"from this controller's (mode={self.mode!r}, first_factor={self.first_factor!r})."
+            )
+        self.step = int(state["step"])
+        self.round = int(state["round"])
+        self.round_started = bool(state["round_started"])
+        self.total_steps = int(state["total_steps"])
+        if "phase" in state and state["phase"] != self.phase:
+            raise ValueError(f"Inconsistent checkpoint: phase {state['phase']!r} but the counters give {self.phase!r}.")
+        self._apply_phase()
+
+    def __repr__(self) -> str:
+        return (
+            f"AlternationController(mode={self.mode!r}, first_factor={self.first_factor!r}, round={self.round}, "
+            f"step={self.step}, phase={self.phase!r}, factors={len(self.factors)})"
+        )
+
+
+class LALoraTrainerCallback(TrainerCallback):
+    """HF ``Trainer`` callback driving an :class:`AlternationController` (added by passing the Trainer as
+    the controller's ``optimizer``). Counts ``on_optimizer_step`` events (one per real, post-accumulation
+    step). On resume from a checkpoint at ``global_step > 0`` with a fresh controller, it fast-forwards the
+    controller by ``global_step`` steps (single round); restore ``controller.state_dict()`` yourself for
+    multi-round runs."""
+
+    def __init__(self, controller: AlternationController) -> None:
+        self.controller: AlternationController | None = controller
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        c = self.controller
+        if c is None:
+            return
+        optimizer = kwargs.get("optimizer")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            c.check_optimizer(optimizer)
+        if c.total_steps == 0 and getattr(state, "global_step", 0) > 0:
+            c.step = c.total_steps = int(state.global_step)
+        c._apply_phase()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.controller is not None:
+            self.controller.advance(1)

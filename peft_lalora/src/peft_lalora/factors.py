@@ -1,0 +1,122 @@
+"""Find the LoRA factors A and B of a (PEFT) model, and build optimizer param groups from them.
+
+A factor is located through ``isinstance(module, peft.tuners.lora.LoraLayer)`` and its
+``lora_A[adapter]`` / ``lora_B[adapter]`` (``lora_embedding_A/B[adapter]`` for embeddings). Shapes
+for linear / Conv1D layers: A is ``(r, in_features)``, B is ``(out_features, r)``; ``ΔW = s·B·A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+from peft.tuners.lora import LoraLayer
+
+
+@dataclass(frozen=True)
+class LoraFactor:
+    """One LoRA factor of one adapter in one layer."""
+
+    name: str  #: qualified parameter name in the model given to :func:`find_lora_factors`
+    layer: str  #: qualified name of the owning ``LoraLayer`` (A and B of one layer share it)
+    factor: Literal["A", "B"]
+    adapter: str
+    param: nn.Parameter
+
+
+def _active_adapters(model: nn.Module) -> list[str] | None:
+    """The adapters a PeftModel (possibly wrapped) currently trains, or None when unknown."""
+    for m in model.modules():
+        if hasattr(m, "peft_config") and hasattr(m, "active_adapters"):
+            active = m.active_adapters
+            return [active] if isinstance(active, str) else list(active)
+    return None
+
+
+def find_lora_factors(model: nn.Module, adapter_names: str | Sequence[str] | None = None) -> list[LoraFactor]:
+    """All LoRA factors of ``model`` (a PeftModel, a wrapper around one, or a model with injected LoRA).
+
+    Args:
+        model: the module to search; names are relative to it.
+        adapter_names: which adapters; default: the PeftModel's active adapters, else every adapter found.
+
+    Returns:
+        Factors in module order, A before B within a layer.
+    """
+    if isinstance(adapter_names, str):
+        adapter_names = [adapter_names]
+    wanted = list(adapter_names) if adapter_names is not None else _active_adapters(model)
+    found: list[LoraFactor] = []
+    for layer_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        containers = (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B"))
+        for a_attr, b_attr in containers:
+            a_dict, b_dict = getattr(module, a_attr, {}), getattr(module, b_attr, {})
+            for adapter in a_dict.keys():
+                if wanted is not None and adapter not in wanted:
+                    continue
+                for attr, factor, store in ((a_attr, "A", a_dict), (b_attr, "B", b_dict)):
+                    entry = store[adapter]
+                    if isinstance(entry, nn.Parameter):  # embedding: ParameterDict
+                        param, suffix = entry, f"{attr}.{adapter}"
+                    else:
+                        param, suffix = entry.weight, f"{attr}.{adapter}.weight"
+                    name = f"{layer_name}.{suffix}" if layer_name else suffix
+                    found.append(LoraFactor(name, layer_name, factor, adapter, param))  # type: ignore[arg-type]
+    if wanted is not None and adapter_names is not None:
+        present = {f.adapter for f in found}
+        missing = [a for a in wanted if a not in present]
+        if missing:
+            raise ValueError(f"No LoRA layers found for adapter(s) {missing}; adapters present: {sorted(present)}.")
+    return found
+
+
+def lalora_param_groups(
+    model: nn.Module,
+    lr: float,
+    *,
+    b_lr_ratio: float = 1.0,
+    weight_decay: float = 0.0,
+    other_lr: float | None = None,
+    adapter_names: str | Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Optimizer param groups: LoRA A at ``lr``, LoRA B at ``b_lr_ratio·lr``, other trainable params at
+    ``other_lr`` (default ``lr``).
+
+    The LA-LoRA reference code trains B at twice A's learning rate (``b_lr_ratio=2``); the paper and our
+    default use one rate. Both factors are included whatever their current ``requires_grad`` (the
+    controller freezes one of them between steps, and the optimizer must know both). Empty groups are
+    omitted. Groups carry a ``"name"`` key (``"lora_A"``, ``"lora_B"``, ``"other"``).
+
+    Example::
+
+        opt = torch.optim.AdamW(lalora_param_groups(model, 1e-3, b_lr_ratio=2.0, weight_decay=0.01))
+    """
+    if not lr > 0 or not b_lr_ratio > 0:
+        raise ValueError(f"lr and b_lr_ratio must be > 0, got lr={lr}, b_lr_ratio={b_lr_ratio}.")
+    factors = find_lora_factors(model, adapter_names)
+    if not factors:
+        raise ValueError("The model has no LoRA layers (no peft.tuners.lora.LoraLayer found).")
+    factor_ids = {id(f.param) for f in factors}
+    a = _unique(f.param for f in factors if f.factor == "A")
+    b = _unique(f.param for f in factors if f.factor == "B")
+    other = _unique(p for p in model.parameters() if p.requires_grad and id(p) not in factor_ids)
+    groups = [
+        {"params": a, "lr": lr, "weight_decay": weight_decay, "name": "lora_A"},
+        {"params": b, "lr": lr * b_lr_ratio, "weight_decay": weight_decay, "name": "lora_B"},
+        {"params": other, "lr": lr if other_lr is None else other_lr, "weight_decay": weight_decay, "name": "other"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
