@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, wrapper: str) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -36,7 +36,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = DPDDP(mlp(seed=0))  # same init on both ranks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = (DPDDP if wrapper == "dpddp" else DDP)(mlp(seed=0))  # same init on both ranks
         rec = Recorder()
         engine = PrivacyEngine(accountant="rdp")
         model, opt, dl = engine.make_private(
@@ -58,9 +60,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_ddp_hook_sees_identical_post_allreduce_noise(tmp_path):
+@pytest.mark.parametrize("wrapper", ["dpddp", "ddp"])
+def test_ddp_hook_sees_identical_post_allreduce_noise(tmp_path, wrapper):
     world = 2
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), wrapper), nprocs=world, join=True,
                        start_method="spawn")
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
