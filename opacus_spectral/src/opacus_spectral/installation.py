@@ -124,7 +124,8 @@ class PostHookHandle:
                 p.grad = None
             raise
         for p, g in zip(params, out):
-            p.grad = g
+            # keep the parameter's memory layout (autograd accumulates into p.grad on the next backward)
+            p.grad = g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 def _check_supported(dp_optimizer: Any) -> None:
