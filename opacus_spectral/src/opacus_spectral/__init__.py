@@ -10,8 +10,10 @@ from .engine import PrivacyEngine
 from .grad_sample import set_trainable
 from .hookspecs import hookimpl
 from .installation import PostHookHandle, install_post_hooks
+from .lowpass import LowPassDenoiser
 from .pipeline import DenoiserError, PipelineDiagnostics, PostNoisePipeline, StepDiagnostics
 from .records import NoisyGradient, ParameterRole
+from .rmt import RMTDenoiser
 from .registry import DenoiserInfo, LoadError, available_denoisers, get_registry, load_errors, reload_registry
 
 __all__ = [
@@ -20,12 +22,14 @@ __all__ = [
     "DenoiserInfo",
     "DenoiserProtocol",
     "LoadError",
+    "LowPassDenoiser",
     "NoisyGradient",
     "ParameterRole",
     "PipelineDiagnostics",
     "PostHookHandle",
     "PostNoisePipeline",
     "PrivacyEngine",
+    "RMTDenoiser",
     "StepDiagnostics",
     "available_denoisers",
     "get_registry",

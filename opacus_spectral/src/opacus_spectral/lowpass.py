@@ -1,0 +1,134 @@
+"""``"lowpass"``: fixed low-pass filtering of noisy gradients (LA-LoRA, paper B) as a denoiser.
+
+The filter math lives in :mod:`opacus_spectral.filters`. The axis comes from the parameter's role:
+LoRA A ``(r, in)`` is smoothed along its input features (dim 1), LoRA B ``(out, r)`` along its output
+features (dim 0); other ≥2-D ``weight`` gradients only when ``weight_axis`` is set; 1-D gradients only
+with ``vectors=True``. Same-shape tensors with the same axis are filtered in one batched call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from . import filters
+from .denoiser import Denoiser
+from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
+from .rmt import ParamFilter, matrix_view, resolve_param_filter
+
+__all__ = ["LowPassDenoiser"]
+
+Kernel = Literal["binomial5", "gaussian", "laplacian"]
+
+
+class LowPassDenoiser(Denoiser):
+    """Smooth noisy gradients with a fixed kernel along a role-dependent axis (paper B, §2 of notes/math.md).
+
+    Args:
+        kernel: ``"binomial5"`` (``[1,4,6,4,1]/16``, symmetric padding; default, the LA-LoRA paper),
+            ``"gaussian"`` (std ``sigma`` samples, symmetric padding) or ``"laplacian"`` (``(I − σΔ)⁻¹``,
+            circular, by FFT; the LA-LoRA reference code).
+        sigma: kernel width for ``gaussian`` (default 1.0) / ``laplacian`` (default 1.0, the reference
+            code). Not the noise std — that is ``record.sigma`` and a fixed filter does not use it.
+        laplacian_dims: 1 (along the role's axis) or 2 (over both matrix axes, incl. the rank axis, like
+            the reference code).
+        weight_axis: axis for other ≥2-D ``weight`` gradients (conv kernels are viewed as
+            ``(out, in·k·k)``): ``None`` (default) leaves them untouched, 0 or 1 filters along that axis.
+        vectors: also filter 1-D gradients (bias, LayerNorm) along their only axis (default off).
+        role_axes: override/extend the role → axis map (``None`` axis = untouched), e.g.
+            ``{"embedding": 1}`` or ``{"lora_A": None}``.
+        params: optional name filter: substrings (any match) or a predicate on the qualified name.
+        truncate: Gaussian kernel radius in units of ``sigma``.
+
+    The filter does not depend on ``record.sigma``, except that a noiseless record (``sigma == 0``) is
+    left unchanged (the opacus-spectral contract: no noise, nothing to remove). ``self.diagnostics``: ``{"filtered": number of tensors filtered}``.
+    """
+
+    name = "lowpass"
+
+    def __init__(
+        self,
+        *,
+        kernel: Kernel = "binomial5",
+        sigma: float | None = None,
+        laplacian_dims: int = 1,
+        weight_axis: int | None = None,
+        vectors: bool = False,
+        role_axes: Mapping[str, int | None] | None = None,
+        params: ParamFilter = None,
+        truncate: float = 4.0,
+    ) -> None:
+        super().__init__()
+        if kernel not in ("binomial5", "gaussian", "laplacian"):
+            raise ValueError(f"kernel must be 'binomial5', 'gaussian' or 'laplacian', got {kernel!r}")
+        if kernel == "binomial5" and sigma is not None:
+            raise ValueError("sigma is only used by the 'gaussian' and 'laplacian' kernels")
+        width = 1.0 if sigma is None else float(sigma)
+        if not (math.isfinite(width) and width > 0):
+            raise ValueError(f"sigma must be positive and finite, got {sigma!r}")
+        if laplacian_dims not in (1, 2):
+            raise ValueError(f"laplacian_dims must be 1 or 2, got {laplacian_dims!r}")
+        if laplacian_dims == 2 and kernel != "laplacian":
+            raise ValueError("laplacian_dims=2 needs kernel='laplacian'")
+        axes: dict[str, int | None] = {ROLE_LORA_A: 1, ROLE_LORA_B: 0, ROLE_WEIGHT: weight_axis}
+        axes.update(role_axes or {})
+        for role, ax in axes.items():
+            if ax not in (None, 0, 1):
+                raise ValueError(f"axis for role {role!r} must be None, 0 or 1, got {ax!r}")
+        self.kernel: Kernel = kernel
+        self.sigma = width
+        self.laplacian_dims = laplacian_dims
+        self.role_axes = axes
+        self.vectors = bool(vectors)
+        self.params = params
+        self._select_name = resolve_param_filter(params)
+        self.truncate = float(truncate)
+        self._taps: Tensor | None = None
+        if kernel == "binomial5":
+            self._taps = torch.tensor(filters.BINOMIAL5, dtype=torch.float64)
+        elif kernel == "gaussian":
+            self._taps = filters.gaussian_kernel(self.sigma, self.truncate)
+
+    def axis_for(self, rec: NoisyGradient) -> tuple[Tensor, int] | None:
+        """(tensor view, axis) to filter ``rec`` along, or ``None`` to leave it untouched."""
+        t = rec.tensor
+        if rec.sigma == 0 or t.numel() == 0 or not t.is_floating_point() or not self._select_name(rec.name):
+            return None
+        if t.dim() == 1:
+            return (t, 0) if self.vectors else None
+        mat = matrix_view(t)
+        if mat is None:
+            return None
+        ax = self.role_axes.get(rec.role)
+        return None if ax is None else (mat, ax)
+
+    def filter_batch(self, x: Tensor, axis: int) -> Tensor:
+        """Filter a stacked batch ``x`` (B, ...) along data ``axis`` (≥ 0, not counting the batch dim)."""
+        if self.kernel == "laplacian":
+            dims: list[int] = [axis + 1] if self.laplacian_dims == 1 or x.dim() == 2 else [1, 2]
+            return filters.laplacian_smooth(x, self.sigma, dims)
+        assert self._taps is not None
+        return filters.apply_kernel(x, self._taps, axis + 1)
+
+    def __call__(self, grads: Sequence[NoisyGradient]) -> list[Tensor | None]:
+        out: list[Tensor | None] = [None] * len(grads)
+        groups: dict[tuple[Any, ...], list[tuple[int, Tensor]]] = {}
+        for i, rec in enumerate(grads):
+            sel = self.axis_for(rec)
+            if sel is not None:
+                view, ax = sel
+                groups.setdefault((tuple(view.shape), view.dtype, view.device, ax), []).append((i, view))
+        for (_, _, _, ax), members in groups.items():
+            smoothed = self.filter_batch(torch.stack([v for _, v in members]), ax)
+            for b, (i, _) in enumerate(members):
+                out[i] = smoothed[b].reshape(grads[i].tensor.shape)
+        self.diagnostics = {"filtered": sum(len(m) for m in groups.values())}
+        return out
+
+    def __repr__(self) -> str:
+        extra = "" if self.kernel == "binomial5" else f", sigma={self.sigma}"
+        return f"LowPassDenoiser(kernel={self.kernel!r}{extra}, role_axes={self.role_axes})"

@@ -1,0 +1,258 @@
+"""``"rmt"``: the random-matrix-theory spectral denoiser (paper A) as an opacus-spectral denoiser.
+
+The math lives in :mod:`opacus_spectral.spectral`; this module selects the records it acts on, views them
+as matrices, groups same-shape matrices into one batched call and publishes cheap diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .denoiser import Denoiser
+from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
+from .spectral import Gate, Method, rmt_denoise, tracy_widom_quantile
+
+__all__ = ["RMTDenoiser", "ParamFilter", "matrix_view", "resolve_param_filter", "resolve_dtype"]
+
+#: ``params=``: substrings of qualified parameter names (any match selects), or a predicate on the name.
+ParamFilter = Sequence[str] | Callable[[str], bool] | None
+
+DEFAULT_ROLES: tuple[str, ...] = (ROLE_WEIGHT, ROLE_LORA_A, ROLE_LORA_B)
+
+
+def resolve_param_filter(params: ParamFilter) -> Callable[[str], bool]:
+    """Turn ``params=`` into a predicate on qualified parameter names."""
+    if params is None:
+        return lambda name: True
+    if callable(params):
+        return params
+    if isinstance(params, str):
+        params = (params,)
+    subs = tuple(params)
+    if not all(isinstance(p, str) for p in subs):
+        raise TypeError(f"params must be a callable or a list of name substrings, got {params!r}")
+    return lambda name: any(p in name for p in subs)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32`` / ``torch.float64``, also accepted as strings (config files)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)  # type: ignore[assignment]
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {dtype!r}")
+    return dtype  # type: ignore[return-value]
+
+
+def matrix_view(t: Tensor) -> Tensor | None:
+    """The matrix a gradient is denoised as: 2-D as-is, ≥3-D (conv kernels) as ``(out, in·k·k)``.
+
+    ``None`` for 0-D/1-D and empty tensors (left untouched).
+    """
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+
+
+class RMTDenoiser(Denoiser):
+    """Spectral denoising of every selected ≥2-D noisy gradient (paper A; notes/math.md §1).
+
+    Per matrix ``G~`` (m × n) with noise std ``s`` = ``record.sigma`` (never a user argument): invert
+    the singular-value inflation, shrink optimally (Shabalin–Nobel), zero everything inside the noise
+    bulk, apply only if the gate opens (``λ~₁ > κ·s(√m+√n)``, or a Tracy–Widom gate at a false-alarm
+    rate), and rescale to ``‖G~‖_F`` (``norm_correction``). Records with ``sigma == 0``, 0-/1-D or empty
+    tensors, roles or names not selected are left alone; a non-finite matrix is left unchanged and counted
+    (the engine validates outputs).
+
+    Args:
+        kappa: gate factor for ``gate="kappa"`` (paper: 1.02).
+        gate: ``"kappa"`` or ``"tracy_widom"``.
+        false_alarm: the Tracy–Widom gate's false-alarm rate on pure noise, in [1e-8, 0.5].
+        tw_centering: ``"johnstone"`` (Johnstone 2001, conservative on thin shapes) or ``"ma"`` (Ma 2012).
+        norm_correction: rescale each denoised matrix to its noisy Frobenius norm.
+        roles: roles to act on (default: ``weight``, ``lora_A``, ``lora_B``; e.g. ``("lora_A", "lora_B")``).
+        params: optional name filter: substrings (any match) or a predicate on the qualified name.
+        compute_dtype: ``torch.float32`` (default) or ``torch.float64``.
+        method, gram_max, oversample, max_iter, tol: fast-path controls, see
+            :func:`opacus_spectral.spectral.rmt_denoise` (``"auto"``: Gram path for ``min(m,n) <= gram_max``,
+            else gate-first truncated path).
+        max_batch: at most this many matrices per batched call; ``None`` = all of a shape group.
+        max_chunk_bytes: at most this many bytes of stacked input per batched call (default 32 MiB; at
+            least one matrix). Peak extra memory is about twice the chunk (stacked copy + one work buffer
+            of the same size); ``None`` = no limit.
+        diagnostics: also record per-matrix spectral entropy before/after and norms (costs an extra
+            ``svdvals`` per matrix; off by default).
+        seed: seed of the truncated path's start block (deterministic on every rank).
+        inplace: write results into the records' tensors and return ``None`` (default; the only extra
+            memory is one stacked copy per shape group plus the transient work buffers), or return
+            replacement tensors (views of one batched buffer per group).
+
+    ``self.diagnostics`` after a call: ``matrices`` (int), ``gated`` and ``nonfinite`` (0-D int64
+    tensors on the gradients' device, never synced), and with ``diagnostics=True`` a ``per_matrix``
+    dict ``{name: {"gated", "top", "entropy_before", "entropy_after", "norm_before", "norm_after"}}``.
+    """
+
+    name = "rmt"
+
+    def __init__(
+        self,
+        *,
+        kappa: float = 1.02,
+        gate: Gate = "kappa",
+        false_alarm: float = 1e-3,
+        tw_centering: str = "johnstone",
+        norm_correction: bool = True,
+        roles: Iterable[str] | None = None,
+        params: ParamFilter = None,
+        compute_dtype: torch.dtype | str = torch.float32,
+        method: Method = "auto",
+        gram_max: int = 64,
+        oversample: int = 8,
+        max_iter: int = 60,
+        tol: float | None = None,
+        max_batch: int | None = None,
+        max_chunk_bytes: int | None = 32 * 2**20,
+        diagnostics: bool = False,
+        seed: int = 0,
+        inplace: bool = True,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(kappa, (int, float)) and math.isfinite(kappa) and kappa > 0):
+            raise ValueError(f"kappa must be a positive finite number, got {kappa!r}")
+        if gate not in ("kappa", "tracy_widom"):
+            raise ValueError(f"gate must be 'kappa' or 'tracy_widom', got {gate!r}")
+        tracy_widom_quantile(false_alarm)  # validates the range
+        if tw_centering not in ("johnstone", "ma"):
+            raise ValueError(f"tw_centering must be 'johnstone' or 'ma', got {tw_centering!r}")
+        if method not in ("auto", "gram", "truncated", "full"):
+            raise ValueError(f"method must be 'auto', 'gram', 'truncated' or 'full', got {method!r}")
+        for key, val in (("gram_max", gram_max), ("oversample", oversample), ("max_iter", max_iter)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{key} must be a positive int, got {val!r}")
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+        if max_chunk_bytes is not None and (not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 1):
+            raise ValueError(f"max_chunk_bytes must be a positive int or None, got {max_chunk_bytes!r}")
+        self.kappa = float(kappa)
+        self.gate = gate
+        self.false_alarm = float(false_alarm)
+        self.tw_centering = tw_centering
+        self.norm_correction = bool(norm_correction)
+        self.roles: frozenset[str] = frozenset(DEFAULT_ROLES if roles is None else roles)
+        self.params = params
+        self._select_name = resolve_param_filter(params)
+        self.compute_dtype = resolve_dtype(compute_dtype)
+        self.method: Method = method
+        self.gram_max = gram_max
+        self.oversample = oversample
+        self.max_iter = max_iter
+        self.tol = tol
+        self.max_batch = max_batch
+        self.max_chunk_bytes = max_chunk_bytes
+        self.collect = bool(diagnostics)
+        self.seed = int(seed)
+        self.inplace = bool(inplace)
+
+    def select(self, rec: NoisyGradient) -> Tensor | None:
+        """The matrix view of ``rec`` if this denoiser acts on it, else ``None``."""
+        if rec.role not in self.roles or not self._select_name(rec.name):
+            return None
+        sigma = rec.sigma
+        if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"{rec.name}: record sigma must be a finite number >= 0, got {sigma!r}")
+        if sigma == 0 or not rec.tensor.is_floating_point():
+            return None
+        return matrix_view(rec.tensor)
+
+    def __call__(self, grads: Sequence[NoisyGradient]) -> list[Tensor | None] | None:
+        out: list[Tensor | None] = [None] * len(grads)
+        groups: dict[tuple[Any, ...], list[tuple[int, Tensor]]] = {}
+        for i, rec in enumerate(grads):
+            mat = self.select(rec)
+            if mat is not None:
+                groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append((i, mat))
+        gated_total: Tensor | None = None
+        nonfinite_total: Tensor | None = None
+        per_matrix: dict[str, dict[str, Tensor]] = {}
+        n_matrices = 0
+        for (shape, dtype, device), members in groups.items():
+            step = self.max_batch or len(members)
+            if self.max_chunk_bytes is not None:  # bound the stacked copy (and the work buffers that scale with it)
+                per = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                step = max(1, min(step, self.max_chunk_bytes // max(per, 1)))
+            for lo in range(0, len(members), step):
+                chunk = members[lo : lo + step]
+                n_matrices += len(chunk)
+                stacked = torch.stack([mat for _, mat in chunk])
+                sigmas = [float(grads[i].sigma) for i, _ in chunk]
+                # one noise level for the whole chunk (the usual case) stays a float: no host→device copy
+                sigma: float | Tensor = (
+                    sigmas[0] if len(set(sigmas)) == 1 else torch.tensor(sigmas, dtype=torch.float64).to(device)
+                )
+                before = self._spectra(stacked) if self.collect else None
+                res = rmt_denoise(
+                    stacked, sigma, gate=self.gate, kappa=self.kappa, false_alarm=self.false_alarm,
+                    tw_centering=self.tw_centering,  # type: ignore[arg-type]
+                    norm_correction=self.norm_correction, method=self.method, gram_max=self.gram_max,
+                    oversample=self.oversample, max_iter=self.max_iter, tol=self.tol,
+                    compute_dtype=self.compute_dtype, seed=self.seed, inplace=True,
+                )  # fmt: skip
+                n_gated = res.gated.sum()
+                n_bad = (~res.finite).sum()
+                gated_total = n_gated if gated_total is None else gated_total + n_gated.to(gated_total.device)
+                nonfinite_total = n_bad if nonfinite_total is None else nonfinite_total + n_bad.to(nonfinite_total.device)
+                if res.touched:  # False: the truncated path certified that nothing passed the gate
+                    for b, (i, _) in enumerate(chunk):
+                        t = grads[i].tensor
+                        if self.inplace:  # gate closed → the same values are written back (bitwise)
+                            t.copy_(stacked[b].reshape(t.shape))
+                        else:
+                            out[i] = stacked[b].reshape(t.shape)
+                if before is not None:
+                    self._collect(per_matrix, grads, chunk, before, self._spectra(stacked), res.gated, res.top)
+                del stacked, res  # free this chunk's buffers before the next one is stacked
+        self.diagnostics = {
+            "matrices": n_matrices,
+            "gated": gated_total if gated_total is not None else torch.zeros((), dtype=torch.int64),
+            "nonfinite": nonfinite_total if nonfinite_total is not None else torch.zeros((), dtype=torch.int64),
+        }
+        if self.collect:
+            self.diagnostics["per_matrix"] = per_matrix
+        return None if self.inplace else out
+
+    def _spectra(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(spectral entropy, Frobenius norm) per matrix of a batch, in the compute dtype (diagnostics only)."""
+        from .diagnostics import spectral_entropy  # noqa: PLC0415 - optional path
+
+        xc = x.to(self.compute_dtype)
+        finite = torch.isfinite(xc).flatten(1).all(1)
+        xc = torch.where(finite[:, None, None], xc, torch.zeros_like(xc))
+        return spectral_entropy(torch.linalg.svdvals(xc)), xc.flatten(1).norm(dim=1)
+
+    def _collect(
+        self,
+        per_matrix: dict[str, dict[str, Tensor]],
+        grads: Sequence[NoisyGradient],
+        chunk: list[tuple[int, Tensor]],
+        before: tuple[Tensor, Tensor],
+        after: tuple[Tensor, Tensor],
+        gated: Tensor,
+        top: Tensor,
+    ) -> None:
+        for b, (i, _) in enumerate(chunk):
+            per_matrix[grads[i].name] = {
+                "gated": gated[b],
+                "top": top[b],
+                "entropy_before": before[0][b],
+                "entropy_after": after[0][b],
+                "norm_before": before[1][b],
+                "norm_after": after[1][b],
+            }
+
+    def __repr__(self) -> str:
+        gate = f"kappa={self.kappa}" if self.gate == "kappa" else f"tracy_widom, false_alarm={self.false_alarm}"
+        return f"RMTDenoiser({gate}, norm_correction={self.norm_correction}, roles={sorted(self.roles)})"
