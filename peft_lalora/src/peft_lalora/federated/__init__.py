@@ -1,0 +1,54 @@
+"""Federated LA-LoRA: partitioning, DP clients, FedAvg of A/B/head, privacy ledger, two runners.
+
+Heavy or optional dependencies are imported lazily: partitioning needs ``flwr-datasets`` and the Flower
+app needs ``flwr`` (extra ``[flower]``); the DP client needs ``opacus-spectral`` (extra ``[dp]``).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .aggregate import AggregationError, AggregationResult, Rejection, fedavg, validate_update
+from .ledger import PrivacyLedger, epsilon_from_history
+
+_LAZY = {
+    "Partition": "partition",
+    "partition_dataset": "partition",
+    "dirichlet_partition": "partition",
+    "iid_partition": "partition",
+    "group_partition": "partition",
+    "label_skew": "partition",
+    "ClientConfig": "client",
+    "ClientUpdate": "client",
+    "DPClient": "client",
+    "Evaluator": "client",
+    "adapter_state": "client",
+    "load_adapter_state": "client",
+    "ALGORITHMS": "federation",
+    "FILTERS": "federation",
+    "FederationConfig": "federation",
+    "FederationResult": "simulation",
+    "run_simulation": "simulation",
+    "LocalFederation": "launcher",
+    "run_flower": "launcher",
+}
+
+__all__ = [
+    "AggregationError",
+    "AggregationResult",
+    "PrivacyLedger",
+    "Rejection",
+    "epsilon_from_history",
+    "fedavg",
+    "validate_update",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,408 @@
+"""A federated DP-SGD client for LA-LoRA adapters (LA-LoRA paper, Alg. 1, client side).
+
+Each client owns a base model with a LALoRA adapter, an optimizer and an
+:class:`opacus_spectral.PrivacyEngine` built **once** (wrapping a model twice double-hooks it, an Opacus
+pitfall). A round (:meth:`DPClient.fit`):
+
+1. loads the global adapter state (LoRA A, B and the trainable head) into the model;
+2. resets the inner optimizer's state (the reference code rebuilds the optimizer every round; resetting
+   keeps the single DP wrapper) and re-seeds its RNGs from ``(seed, client, round)`` so a round is a pure
+   function of its inputs — the Flower runner, which rebuilds clients in fresh processes, gets the same
+   numbers;
+3. runs K local DP-SGD steps with Poisson sampling; the :class:`~peft_lalora.AlternationController`
+   (``start_round`` each round) decides which factor trains on each step; ``post_hooks`` (e.g.
+   ``["lowpass"]``) post-process the noisy gradient;
+4. returns a cloned adapter state, the number of local examples, and the ε spent so far according to the
+   client's own accountant, which lives across rounds (its history can be exported and restored).
+
+An empty Poisson batch still takes a DP step (zero clipped sum plus noise): skipping it would release
+"no update" exactly when no example was sampled, which the accountant does not cover.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "ClientConfig",
+    "ClientUpdate",
+    "DPClient",
+    "Evaluator",
+    "adapter_state",
+    "load_adapter_state",
+    "round_seeds",
+    "sequence_classification_loss",
+    "trainable_parameters",
+]
+
+Batch = Sequence[torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``{name: param}`` of the parameters trainable *now* (call before any factor is frozen)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_state(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached clones of ``params`` — safe to hand to a server that may keep or modify them."""
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def load_adapter_state(params: Mapping[str, nn.Parameter], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``params`` in place (no autograd). Keys and shapes must match exactly."""
+    missing = sorted(set(params) - set(state))
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        raise KeyError(f"adapter state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            src = state[n]
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"shape mismatch for {n!r}: {tuple(src.shape)} != {tuple(p.shape)}")
+            p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+
+def round_seeds(seed: int, client: int, round_index: int, n: int = 3) -> list[int]:
+    """``n`` independent 63-bit seeds for ``(seed, client, round)`` (``numpy.random.SeedSequence``)."""
+    ss = np.random.SeedSequence(
+        [int(seed) & 0xFFFFFFFF, int(client) & 0xFFFFFFFF, int(round_index) & 0xFFFFFFFF, 0x1A1A]
+    )
+    return [int(x) for x in ss.generate_state(n, dtype=np.uint64) >> np.uint64(1)]
+
+
+def sequence_classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy of an HF sequence classifier on ``(input_ids, attention_mask, token_type_ids, labels)``
+    (``token_type_ids`` optional: a 3-tuple is ``(input_ids, attention_mask, labels)``)."""
+    if len(batch) == 4:
+        ids, mask, types, labels = batch
+        logits = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    elif len(batch) == 3:
+        ids, mask, labels = batch
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    else:
+        raise ValueError(f"expected a batch of 3 or 4 tensors, got {len(batch)}")
+    return nn.functional.cross_entropy(logits, labels)
+
+
+@dataclass
+class ClientConfig:
+    """Hyper-parameters every client of a federation shares.
+
+    Privacy: give ``noise_multiplier`` directly, or ``target_epsilon`` with ``planned_steps`` (the most DP
+    steps the client can run, e.g. rounds × local_steps); σ is then calibrated per client from its own
+    sample rate ``q = 1 / ceil(n / batch_size)``.
+    """
+
+    local_steps: int = 5
+    batch_size: int = 16
+    lr: float = 5e-3
+    optimizer: str = "adamw"  #: "adamw" or "sgd"
+    weight_decay: float = 0.0
+    momentum: float = 0.0  #: SGD only
+    b_lr_ratio: float = 1.0  #: B's lr / A's lr (reference code: 2)
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    planned_steps: int | None = None
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    post_hooks: list[Any] = field(default_factory=list)
+    grad_sample_mode: str = "hooks"  #: "hooks" or "functorch"
+    secure_mode: bool = False  #: CSPRNG noise/sampling; disables the per-round re-seeding (not reproducible)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.local_steps < 1 or self.batch_size < 1:
+            raise ValueError("local_steps and batch_size must be >= 1")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        if self.target_epsilon is not None and (self.planned_steps is None or self.planned_steps < 1):
+            raise ValueError("target_epsilon needs planned_steps >= 1 (e.g. rounds * local_steps)")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if self.grad_sample_mode not in ("hooks", "functorch"):
+            raise ValueError(
+                f"grad_sample_mode must be 'hooks' or 'functorch', got {self.grad_sample_mode!r} (ghost clipping "
+                "replaces the loss with Opacus' DP criterion, which DPClient's loss_fn interface does not carry)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["post_hooks"] = [h if isinstance(h, (str, list, tuple, dict)) else type(h).__name__ for h in self.post_hooks]
+        return d
+
+
+@dataclass
+class ClientUpdate:
+    """What a client returns after a round."""
+
+    client: int
+    round: int
+    state: dict[str, torch.Tensor]
+    num_examples: int
+    epsilon: float
+    delta: float
+    history: list[tuple[float, float, int]]
+    steps: int  #: DP steps run in this round
+    loss: float  #: mean training loss over the round's non-empty batches (nan if all were empty)
+    noise_multiplier: float
+    sample_rate: float
+
+
+# ----------------------------------------------------------------------------------------------- client
+class DPClient:
+    """One DP federated client (see module docstring).
+
+    Args:
+        client_id: integer id (partition index); also seeds the client's RNGs.
+        model: the base model (e.g. ``BertForSequenceClassification``), or a PeftModel with the adapter
+            already attached.
+        peft_config: a :class:`peft_lalora.LALoraConfig` (its ``alternation`` picks LA-LoRA / RoLoRA /
+            FFA-LoRA / DP-LoRA); ``None`` when ``model`` is already a PeftModel.
+        train_data: a map-style dataset of tensor tuples (e.g. ``TensorDataset``).
+        config: :class:`ClientConfig`.
+        seed: federation seed.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` (mean over the batch).
+    """
+
+    def __init__(
+        self,
+        client_id: int,
+        model: nn.Module,
+        peft_config: Any,
+        train_data: torch.utils.data.Dataset,
+        config: ClientConfig,
+        *,
+        seed: int = 0,
+        loss_fn: LossFn = sequence_classification_loss,
+    ) -> None:
+        from opacus.accountants.utils import get_noise_multiplier
+        from peft import PeftModel, get_peft_model
+
+        import opacus_spectral
+
+        from ..controller import AlternationController
+        from ..factors import lalora_param_groups
+
+        self.client_id = int(client_id)
+        self.config = config
+        self.seed = int(seed)
+        self.loss_fn = loss_fn
+        self.num_examples = len(train_data)  # type: ignore[arg-type]
+        if self.num_examples < 1:
+            raise ValueError(f"client {client_id} has no training examples")
+        device = torch.device(config.device)
+        if isinstance(model, PeftModel):
+            peft_model = model
+        else:
+            if peft_config is None:
+                raise ValueError("peft_config is required when model is not a PeftModel")
+            peft_model = get_peft_model(model, peft_config)
+        peft_model.to(device).train()
+        self.peft_model = peft_model
+        self.params = trainable_parameters(peft_model)
+        if not self.params:
+            raise ValueError("the adapter has no trainable parameters")
+
+        groups = lalora_param_groups(
+            peft_model, config.lr, b_lr_ratio=config.b_lr_ratio, weight_decay=config.weight_decay
+        )
+        for g in groups:
+            g.pop("name", None)
+        if config.optimizer == "adamw":
+            inner: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
+        else:
+            inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+        self._sampler_gen = torch.Generator()
+        self._noise_gen = None if config.secure_mode else torch.Generator(device=device)
+        loader = torch.utils.data.DataLoader(
+            train_data, batch_size=min(config.batch_size, self.num_examples), shuffle=False, generator=self._sampler_gen
+        )
+        self.sample_rate = 1.0 / len(loader)
+        if config.noise_multiplier is not None:
+            sigma = float(config.noise_multiplier)
+        else:
+            sigma = float(
+                get_noise_multiplier(
+                    target_epsilon=config.target_epsilon,
+                    target_delta=config.delta,
+                    sample_rate=self.sample_rate,
+                    steps=config.planned_steps,
+                    accountant=config.accountant,
+                )
+            )
+        self.noise_multiplier = sigma
+        self.engine = opacus_spectral.PrivacyEngine(accountant=config.accountant, secure_mode=config.secure_mode)
+        self.module, self.optimizer, self.loader = self.engine.make_private(
+            module=peft_model,
+            optimizer=inner,
+            data_loader=loader,
+            noise_multiplier=sigma,
+            max_grad_norm=config.max_grad_norm,
+            poisson_sampling=True,
+            noise_generator=self._noise_gen,
+            grad_sample_mode=config.grad_sample_mode,
+            post_hooks=list(config.post_hooks),
+        )
+        self.controller = AlternationController(peft_model, self.optimizer)
+        self.rounds_run = 0
+        self.total_steps = 0
+
+    # -------------------------------------------------------------------------------------- privacy
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """The accountant's compressed history ``[(σ, q, steps), ...]`` (what the ledger needs)."""
+        return [(float(s), float(q), int(n)) for s, q, n in self.engine.accountant.history]
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta`` (default: the config's δ) according to this client's accountant."""
+        if not self.engine.accountant.history:
+            return 0.0
+        return float(self.engine.accountant.get_epsilon(delta=self.config.delta if delta is None else delta))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive between rounds when the client is rebuilt (Flower): the accountant history
+        and counters. Optimizer state is reset every round and RNGs are re-seeded, so nothing else is."""
+        return {"history": self.history, "rounds_run": self.rounds_run, "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from .ledger import normalize_history
+
+        self.engine.accountant.history = list(normalize_history(state.get("history", [])))
+        self.rounds_run = int(state.get("rounds_run", 0))
+        self.total_steps = int(state.get("total_steps", 0))
+
+    # -------------------------------------------------------------------------------------- training
+    def _reseed(self, round_index: int) -> int:
+        s_sampler, s_noise, s_torch = round_seeds(self.seed, self.client_id, round_index)
+        self._sampler_gen.manual_seed(s_sampler)
+        if self._noise_gen is not None:
+            self._noise_gen.manual_seed(s_noise)
+        return s_torch
+
+    def _empty_step(self) -> None:
+        """A DP step on an empty Poisson batch: zero per-sample gradients, so the update is pure noise."""
+        for p in self.optimizer.params:
+            p.grad_sample = p.new_zeros((0, *p.shape))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def fit(
+        self,
+        global_state: Mapping[str, torch.Tensor],
+        round_index: int,
+        local_steps: int | None = None,
+    ) -> ClientUpdate:
+        """Run one round of ``local_steps`` (default ``config.local_steps``) DP steps from ``global_state``."""
+        k_steps = self.config.local_steps if local_steps is None else int(local_steps)
+        if k_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {k_steps}")
+        load_adapter_state(self.params, global_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.original_optimizer.state.clear()
+        pipeline = getattr(self.engine.post_hooks, "pipeline", None)
+        if pipeline is not None:
+            pipeline.reset()
+        torch_seed = None if self.config.secure_mode else self._reseed(round_index)
+        device = torch.device(self.config.device)
+        fork_devices = [device] if device.type == "cuda" else []
+        self.module.train()
+        loss_sum = torch.zeros((), device=device)
+        n_loss = 0
+        with torch.random.fork_rng(devices=fork_devices, enabled=torch_seed is not None):
+            if torch_seed is not None:
+                torch.manual_seed(torch_seed)
+            self.controller.start_round(round_index)
+            it = iter(self.loader)
+            for _ in range(k_steps):
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    it = iter(self.loader)
+                    batch = next(it)
+                batch = [t.to(device) for t in batch]
+                if batch[0].shape[0] == 0:
+                    self._empty_step()
+                    continue
+                loss = self.loss_fn(self.module, batch)
+                loss.backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_sum = loss_sum + loss.detach()
+                n_loss += 1
+        self.rounds_run += 1
+        self.total_steps += k_steps
+        mean_loss = float(loss_sum) / n_loss if n_loss else math.nan
+        return ClientUpdate(
+            client=self.client_id,
+            round=int(round_index),
+            state=adapter_state(self.params),
+            num_examples=self.num_examples,
+            epsilon=self.epsilon(),
+            delta=self.config.delta,
+            history=self.history,
+            steps=k_steps,
+            loss=mean_loss,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- server eval
+class Evaluator:
+    """Server-side accuracy of a global adapter state on a held-out set (one model, built once)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        peft_config: Any,
+        test_data: torch.utils.data.Dataset,
+        *,
+        batch_size: int = 256,
+        device: str = "cpu",
+    ) -> None:
+        from peft import PeftModel, get_peft_model
+
+        self.model = model if isinstance(model, PeftModel) else get_peft_model(model, peft_config)
+        self.device = torch.device(device)
+        self.model.to(self.device).eval()
+        self.params = trainable_parameters(self.model)
+        self.loader = torch.utils.data.DataLoader(test_data, batch_size=batch_size, shuffle=False)
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The adapter state of the freshly built model (the federation's starting point)."""
+        return adapter_state(self.params)
+
+    @torch.no_grad()
+    def __call__(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """``{"accuracy", "loss"}`` of the model with ``state`` loaded (labels are the last batch tensor)."""
+        load_adapter_state(self.params, state)
+        self.model.eval()
+        correct = torch.zeros((), dtype=torch.long, device=self.device)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        n = 0
+        for batch in self.loader:
+            batch = [t.to(self.device) for t in batch]
+            *inputs, labels = batch
+            keys = ("input_ids", "attention_mask", "token_type_ids")[: len(inputs)]
+            logits = self.model(**dict(zip(keys, inputs, strict=True))).logits
+            correct += (logits.argmax(-1) == labels).sum()
+            loss += nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
+            n += labels.shape[0]
+        if n == 0:
+            raise ValueError("empty evaluation set")
+        return {"accuracy": float(correct) / n, "loss": float(loss) / n}

@@ -1,0 +1,373 @@
+"""One-command local Flower federation on loopback: SuperLink + N SuperNodes, always torn down.
+
+:func:`run_flower` writes a Flower app (``pyproject.toml`` + a copy of
+:mod:`peft_lalora.federated.flower_app`) with the run's configuration, starts
+
+* ``flower-superlink --insecure --disable-runtime-dependency-installation`` on ``127.0.0.1:<port>``
+  (no ``uv sync``, which would fetch a CUDA torch; no Ray — this is the deployment engine), and
+* N ``flower-supernode --insecure --superlink 127.0.0.1:<port> --node-config 'partition-id=i
+  num-partitions=N'``, each with its own runtime-API port on 127.0.0.1,
+
+as separate processes in **one new process group** (not our shell's), runs ``flwr run <app> <connection> --stream``
+against a connection defined in a private ``$FLWR_HOME/config.toml``, and tears everything down in a
+``finally``. Flower's SuperLink starts its SuperExec in a *new session* (``start_new_session=True``),
+which escapes the process group, so every process of the federation also carries a marker environment
+variable (``LALORA_FEDERATION_ID``); teardown signals the group *and* every process that carries the
+marker (found through ``/proc``), then verifies that none is left (:meth:`LocalFederation.leftovers`).
+Telemetry and update checks are off (``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .federation import FederationConfig
+
+__all__ = ["LocalFederation", "free_port", "run_flower", "write_flower_app"]
+
+MARKER = "LALORA_FEDERATION_ID"
+APP_MODULE = "lalora_flower_app"
+CONNECTION = "lalora-local"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+
+def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Path:
+    """Write a Flower app to ``directory``: ``pyproject.toml`` with ``run_config`` as
+    ``[tool.flwr.app.config]`` and ``lalora_flower_app.py`` (a copy of :mod:`.flower_app`) providing
+    ``server_app`` / ``client_app``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "[build-system]",
+        'requires = ["hatchling"]',
+        'build-backend = "hatchling.build"',
+        "",
+        "[project]",
+        'name = "lalora-flower-app"',
+        'version = "1.0.0"',
+        'description = "DP federated LA-LoRA (peft-lalora) on Flower"',
+        'license = "Apache-2.0"',
+        'dependencies = ["peft-lalora[flower,dp]"]',
+        "",
+        "[tool.flwr.app]",
+        'publisher = "peft-lalora"',
+        "",
+        "[tool.flwr.app.components]",
+        f'serverapp = "{APP_MODULE}:server_app"',
+        f'clientapp = "{APP_MODULE}:client_app"',
+        "",
+        "[tool.flwr.app.config]",
+        *[f"{json.dumps(k)} = {_toml_value(v)}" for k, v in run_config.items()],
+        "",
+    ]
+    (d / "pyproject.toml").write_text("\n".join(lines))
+    # The app module is flower_app.py itself, copied as a top-level module: it imports only flwr at
+    # import time (not the peft_lalora package, whose __init__ pulls in peft/transformers), which keeps
+    # the per-message ClientApp processes of the handshake cheap.
+    source = resources.files("peft_lalora.federated").joinpath("flower_app.py").read_text(encoding="utf-8")
+    (d / f"{APP_MODULE}.py").write_text(source, encoding="utf-8")
+    return d
+
+
+def _group_kwargs(pgid: int | None) -> dict[str, Any]:
+    """Popen kwargs that put the child in process group ``pgid`` (0: a new group led by the child)."""
+    if pgid is None:
+        return {}
+    if sys.version_info >= (3, 11):
+        return {"process_group": pgid}
+    return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # pragma: no cover - Python 3.10
+
+
+def _marked_pids(marker_value: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``MARKER=marker_value`` (Linux /proc)."""
+    needle = f"{MARKER}={marker_value}".encode()
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == b"Z":  # zombie: already dead, waiting to be reaped
+            continue
+        if needle in env.split(b"\0"):
+            out.append(int(entry))
+    return sorted(out)
+
+
+class LocalFederation:
+    """A SuperLink and ``num_supernodes`` SuperNodes on 127.0.0.1 (use as a context manager).
+
+    Args:
+        num_supernodes: one per partition (``partition-id`` 0..N-1).
+        workdir: where ``flwr_home/``, ``logs/`` go (default: a new temp dir).
+        startup_timeout: seconds to wait for the SuperLink port.
+        extra_env: added to every process's environment.
+    """
+
+    def __init__(
+        self,
+        num_supernodes: int,
+        workdir: str | Path | None = None,
+        *,
+        startup_timeout: float = 60.0,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        if num_supernodes < 1:
+            raise ValueError(f"num_supernodes must be >= 1, got {num_supernodes}")
+        if not sys.platform.startswith("linux"):
+            raise RuntimeError("LocalFederation needs Linux (/proc) to guarantee teardown")
+        self.num_supernodes = int(num_supernodes)
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="lalora-flwr-"))
+        self.startup_timeout = float(startup_timeout)
+        self.marker = uuid.uuid4().hex
+        self.port = free_port()
+        self.flwr_home = self.workdir / "flwr_home"
+        self.log_dir = self.workdir / "logs"
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Any] = []
+        self.pgid: int | None = None
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {
+            **os.environ,
+            **(extra_env or {}),
+            MARKER: self.marker,
+            "FLWR_HOME": str(self.flwr_home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2",
+            "PYTHONUNBUFFERED": "1",
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        }
+        self._atexit_registered = False
+
+    # ------------------------------------------------------------------------------------------- start
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        # first process: leader of a new group (setpgid(0, 0)); the others join it. (A new *session* would
+        # forbid the others from joining: setpgid across sessions fails with EPERM.)
+        proc = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            **_group_kwargs(0 if self.pgid is None else self.pgid),
+        )
+        if self.pgid is None:
+            self.pgid = proc.pid
+        self._procs.append(proc)
+        return proc
+
+    def _wait_port(self, port: int, proc: subprocess.Popen[bytes], name: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} did not open 127.0.0.1:{port} within {self.startup_timeout:.0f}s")
+
+    def start(self) -> LocalFederation:
+        """Start SuperLink and SuperNodes; on any failure everything started so far is stopped."""
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
+        try:
+            link = self._spawn(
+                "superlink",
+                [
+                    "flower-superlink",
+                    "--insecure",
+                    "--disable-runtime-dependency-installation",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                ],
+            )
+            self._wait_port(self.port, link, "superlink")
+            for i in range(self.num_supernodes):
+                self._spawn(
+                    f"supernode-{i}",
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{self.port}",
+                        "--node-config",
+                        f"partition-id={i} num-partitions={self.num_supernodes}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(free_port()),
+                    ],
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    # ------------------------------------------------------------------------------------------- run
+    def run(self, app_dir: str | Path, *, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app_dir> <connection> --stream`` (blocks until the run ends or ``timeout``)."""
+        for i, p in enumerate(self._procs):
+            if p.poll() is not None:
+                raise RuntimeError(
+                    f"federation process {i} exited early with code {p.returncode}; logs in {self.log_dir}"
+                )
+        argv = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        proc = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            **_group_kwargs(self.pgid),
+        )
+        self._procs.append(proc)  # type: ignore[arg-type]
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            (self.log_dir / "flwr-run.log").write_text(out or "")
+            raise TimeoutError(f"flwr run did not finish within {timeout:.0f}s; logs in {self.log_dir}") from None
+        (self.log_dir / "flwr-run.log").write_text(out or "")
+        return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+    # ------------------------------------------------------------------------------------------- stop
+    def leftovers(self) -> list[int]:
+        """PIDs of this federation's processes still alive (should be ``[]`` after :meth:`stop`)."""
+        return _marked_pids(self.marker)
+
+    def _signal_all(self, sig: int) -> None:
+        # signal the group only while one of our direct children is alive: then the group id cannot have
+        # been recycled by an unrelated process
+        if self.pgid is not None and any(p.poll() is None for p in self._procs):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, sig)
+        for pid in _marked_pids(self.marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the group and every marked process, SIGKILL what is left after ``grace`` s, reap."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.leftovers():
+            for p in self._procs:
+                p.poll()
+            time.sleep(0.1)
+        for _ in range(3):
+            if not self.leftovers():
+                break
+            self._signal_all(signal.SIGKILL)
+            time.sleep(0.2)
+        for p in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=2.0)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        self._procs.clear()
+        self.pgid = None
+        if self._atexit_registered:
+            atexit.unregister(self.stop)
+            self._atexit_registered = False
+
+    def __enter__(self) -> LocalFederation:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_flower(
+    cfg: FederationConfig,
+    *,
+    workdir: str | Path | None = None,
+    threads: int = 0,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run ``cfg`` on a fresh local Flower federation (``cfg.num_clients`` SuperNodes) and return the
+    result JSON (same layout as :meth:`FederationResult.to_json`) plus ``"state_path"`` (the final
+    global adapter saved with ``torch.save``), ``"workdir"`` (logs, app), ``"federation_id"`` (the value
+    of ``LALORA_FEDERATION_ID`` its processes carried) and ``"leftover_pids"`` (checked after teardown).
+
+    Raises ``RuntimeError`` with the tail of the logs if the run produced no result.
+    """
+    from .flower_app import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
+
+    wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="lalora-flwr-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    result_path = (wd / "result.json").resolve()
+    state_path = (wd / "global_state.pt").resolve()
+    run_config = {
+        **cfg.to_dict(),
+        RESULT_PATH_KEY: str(result_path),
+        STATE_PATH_KEY: str(state_path),
+        THREADS_KEY: int(threads),
+    }
+    app_dir = write_flower_app(wd / "app", run_config)
+    fed = LocalFederation(cfg.num_clients, wd, extra_env={"OMP_NUM_THREADS": str(threads)} if threads > 0 else None)
+    with fed:
+        completed = fed.run(app_dir, timeout=timeout)
+        deadline = time.monotonic() + 30.0
+        while not result_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if not result_path.exists():
+        tails = []
+        for log in sorted(fed.log_dir.glob("*.log")):
+            tails.append(f"--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
+        raise RuntimeError(
+            f"Flower run produced no result (flwr run exit code {completed.returncode}).\n" + "\n".join(tails)
+        )
+    out = json.loads(result_path.read_text())
+    out["state_path"] = str(state_path)
+    out["workdir"] = str(wd)
+    out["federation_id"] = fed.marker
+    out["leftover_pids"] = fed.leftovers()  # [] unless teardown failed
+    return out

@@ -1,0 +1,142 @@
+"""Per-client privacy ledger for sample-level DP-SGD in federated training.
+
+Every client runs DP-SGD on its own data with its own Opacus accountant, so its guarantee is about *its*
+examples and depends only on the steps *it* ran: a client sampled in fewer rounds has spent less. The
+ledger keeps each client's accountant history — Opacus's compressed list of
+``(noise_multiplier, sample_rate, num_steps)`` — and recomputes ε at the ledger's δ with a fresh
+accountant of the same kind, so the numbers are reproducible from data that can be sent over the wire
+(the Flower runner does exactly that). This is record-level DP per client; it is *not* client-level DP
+(Flower's ``DifferentialPrivacy*`` wrappers), and the two are never mixed here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ClientPrivacy", "PrivacyLedger", "epsilon_from_history", "normalize_history"]
+
+HistoryEntry = tuple[float, float, int]
+
+
+def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
+    """Validate and merge consecutive equal ``(σ, q)`` entries, as Opacus's accountants store them."""
+    out: list[HistoryEntry] = []
+    for entry in history:
+        if len(entry) != 3:
+            raise ValueError(f"history entries are (noise_multiplier, sample_rate, num_steps), got {entry!r}")
+        sigma, q, steps = float(entry[0]), float(entry[1]), entry[2]
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {sigma!r}")
+        if not (0.0 < q <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1], got {q!r}")
+        if int(steps) != steps or int(steps) < 0:
+            raise ValueError(f"num_steps must be a non-negative int, got {steps!r}")
+        steps = int(steps)
+        if steps == 0:
+            continue
+        if out and out[-1][0] == sigma and out[-1][1] == q:
+            out[-1] = (sigma, q, out[-1][2] + steps)
+        else:
+            out.append((sigma, q, steps))
+    return out
+
+
+def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "rdp") -> float:
+    """ε at ``delta`` of a fresh Opacus accountant (``"rdp"``, ``"prv"`` or ``"gdp"``) fed ``history``.
+
+    An empty history spends nothing (ε = 0).
+    """
+    from opacus.accountants import create_accountant
+
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    hist = normalize_history(history)
+    if not hist:
+        return 0.0
+    acc = create_accountant(mechanism=accountant)
+    acc.history = list(hist)
+    return float(acc.get_epsilon(delta=delta))
+
+
+@dataclass
+class ClientPrivacy:
+    """What the ledger knows about one client."""
+
+    client: Any
+    history: list[HistoryEntry] = field(default_factory=list)
+    rounds: int = 0
+    epsilon: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return sum(h[2] for h in self.history)
+
+
+class PrivacyLedger:
+    """ε of every client at one δ, from each client's own accountant history.
+
+    Args:
+        delta: the δ every ε is reported at (e.g. 1e-5, or below 1/n_i for client i).
+        accountant: Opacus accountant kind used to recompute ε (``"rdp"``, ``"prv"``, ``"gdp"``); use the
+            clients' kind so the ledger matches what they report.
+    """
+
+    def __init__(self, delta: float, accountant: str = "rdp") -> None:
+        if not (0.0 < delta < 1.0):
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        self.delta = float(delta)
+        self.accountant = accountant
+        self._clients: dict[Any, ClientPrivacy] = {}
+
+    def register(self, client: Any) -> None:
+        """Make ``client`` appear in reports (with ε = 0) before it is ever sampled."""
+        self._clients.setdefault(client, ClientPrivacy(client))
+
+    def record(self, client: Any, history: Iterable[Sequence[float]], *, participated: bool = True) -> float:
+        """Replace ``client``'s cumulative accountant history (as its accountant holds it now) and return ε.
+
+        Histories only grow: a report with fewer steps than the previous one raises ``ValueError``
+        (a client that lost its accountant would otherwise under-report).
+        """
+        hist = normalize_history(history)
+        info = self._clients.setdefault(client, ClientPrivacy(client))
+        new_steps = sum(h[2] for h in hist)
+        if new_steps < info.steps:
+            raise ValueError(
+                f"client {client!r} reported {new_steps} DP steps, fewer than the {info.steps} already recorded"
+            )
+        info.history = hist
+        info.rounds += int(participated)
+        info.epsilon = epsilon_from_history(hist, self.delta, self.accountant)
+        return info.epsilon
+
+    def epsilon(self, client: Any) -> float:
+        return self._clients[client].epsilon
+
+    @property
+    def epsilons(self) -> dict[Any, float]:
+        return {c: info.epsilon for c, info in self._clients.items()}
+
+    @property
+    def max_epsilon(self) -> float:
+        """Largest per-client ε (0 when nothing was recorded)."""
+        return max((info.epsilon for info in self._clients.values()), default=0.0)
+
+    @property
+    def clients(self) -> Mapping[Any, ClientPrivacy]:
+        return dict(self._clients)
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready summary: δ, accountant, max ε, and per client ε / steps / rounds."""
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "max_epsilon": self.max_epsilon,
+            "clients": {
+                str(c): {"epsilon": info.epsilon, "steps": info.steps, "rounds": info.rounds}
+                for c, info in sorted(self._clients.items(), key=lambda kv: str(kv[0]))
+            },
+        }

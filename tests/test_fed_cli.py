@@ -1,0 +1,88 @@
+"""`peft-lalora federate` CLI: algorithm -> alternation mapping and a 2-round smoke run on --model tiny."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("opacus_spectral")
+pytest.importorskip("flwr_datasets")
+
+from peft_lalora.cli import _config, build_parser, main  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("algo", "mode"), [("dp-lora", "none"), ("ffa-lora", "freeze_a"), ("rolora", "round"), ("la-lora", "step")]
+)
+def test_algorithms_are_lalora_config_modes(algo, mode):
+    from peft_lalora.federated.federation import make_peft_config
+
+    from peft_lalora import LALoraConfig
+
+    cfg = _config(build_parser().parse_args(["federate", "--algo", algo]))
+    pc = make_peft_config(cfg)
+    assert isinstance(pc, LALoraConfig) and pc.alternation == mode
+
+
+def test_filters_map_to_post_hooks():
+    cfg = _config(build_parser().parse_args(["federate", "--filter", "binomial5"]))
+    assert cfg.client_config().post_hooks == [("lowpass", {"kernel": "binomial5"})]
+    cfg = _config(build_parser().parse_args(["federate", "--filter", "none"]))
+    assert cfg.client_config().post_hooks == []
+
+
+def test_federate_smoke_two_rounds(tmp_path, capsys):
+    out = tmp_path / "res.json"
+    rc = main(
+        [
+            "federate",
+            "--algo",
+            "la-lora",
+            "--filter",
+            "binomial5",
+            "--clients",
+            "3",
+            "--alpha",
+            "0.5",
+            "--epsilon",
+            "2",
+            "--rounds",
+            "2",
+            "--local-steps",
+            "2",
+            "--seed",
+            "1",
+            "--model",
+            "tiny",
+            "--n-train",
+            "96",
+            "--n-test",
+            "32",
+            "--batch-size",
+            "8",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert len(res["accuracy"]) == 3 and all(0 <= a <= 1 for a in res["accuracy"])
+    assert set(res["epsilon"]) == {"0", "1", "2"}
+    assert all(0 < e <= 2.0 + 0.02 for e in res["epsilon"].values())
+    assert res["max_epsilon"] == max(res["epsilon"].values())
+    assert res["config"]["algo"] == "la-lora" and res["config"]["filter"] == "binomial5"
+    assert res["config"]["num_clients"] == 3 and res["config"]["alpha"] == 0.5
+    assert [r["round"] for r in res["rounds"]] == [1, 2]
+    assert sum(map(sum, res["partition"]["label_histograms"])) == 96
+    assert "max ε" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_cleanly(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["federate", "--algo", "lora"])
+    rc = main(["federate", "--fraction", "0", "--out", str(tmp_path / "x.json")])
+    assert rc == 2 and "fraction" in capsys.readouterr().err

@@ -1,0 +1,218 @@
+"""The two runners: in-process simulation and a real Flower federation (SuperLink + 2 SuperNodes on
+127.0.0.1) give the same global adapter, which is the FedAvg of the clients' results; nothing is left
+running afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("opacus_spectral")
+pytest.importorskip("flwr_datasets")
+
+from peft_lalora.federated.aggregate import fedavg  # noqa: E402
+from peft_lalora.federated.federation import (  # noqa: E402
+    FederationConfig,
+    build_client,
+    build_evaluator,
+    build_partition,
+    build_task,
+)
+from peft_lalora.federated.simulation import run_simulation  # noqa: E402
+
+# LA-LoRA (step alternation) with the paper's binomial low-pass filter, DP via calibrated noise.
+CFG = dict(
+    algo="la-lora",
+    filter="binomial5",
+    num_clients=2,
+    alpha=1.0,
+    rounds=2,
+    local_steps=2,
+    batch_size=8,
+    n_train=64,
+    n_test=32,
+    epsilon=5.0,
+    seed=3,
+)
+
+
+def _replay(cfg: FederationConfig):
+    """Clients and FedAvg called by hand: the reference for both runners."""
+    task = build_task(cfg)
+    part = build_partition(cfg, task)
+    g0 = build_evaluator(cfg, task).initial_state()
+    clients = [build_client(cfg, task, part, i) for i in range(cfg.num_clients)]
+    g = g0
+    for rnd in range(1, cfg.rounds + 1):
+        ups = [c.fit(g, rnd) for c in clients]
+        g = fedavg([u.state for u in ups], [u.num_examples for u in ups], global_state=g).state
+    return g0, g, [c.epsilon() for c in clients]
+
+
+def _assert_states_equal(x, y, atol=0.0):
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.allclose(x[k], y[k], rtol=0, atol=atol), f"{k}: max diff {(x[k] - y[k]).abs().max()}"
+
+
+def test_simulation_equals_hand_replay():
+    torch.set_num_threads(1)
+    cfg = FederationConfig(**CFG)
+    g0, g_ref, eps = _replay(cfg)
+    res = run_simulation(cfg, progress=False)
+    _assert_states_equal(res.state, g_ref)
+    assert not all(torch.equal(res.state[k], g0[k]) for k in g0)
+    assert [res.privacy["clients"][str(i)]["epsilon"] for i in range(2)] == pytest.approx(eps, rel=1e-12)
+    assert max(eps) <= 5.0 + 0.05
+    assert len(res.accuracy) == 3 and all(0.0 <= a <= 1.0 for a in res.accuracy)
+
+
+def test_client_sampling_fraction_limits_participation():
+    cfg = FederationConfig(**{**CFG, "num_clients": 4, "fraction": 0.5, "rounds": 2, "filter": "none", "n_train": 96})
+    res = run_simulation(cfg, progress=False)
+    assert [len(r.clients) for r in res.rounds] == [2, 2]
+    steps = {int(c): v["steps"] for c, v in res.privacy["clients"].items()}
+    sampled = [c for r in res.rounds for c in r.clients]
+    assert steps == {c: cfg.local_steps * sampled.count(c) for c in range(4)}
+    never = [c for c in range(4) if c not in sampled]
+    assert all(res.privacy["clients"][str(c)]["epsilon"] == 0.0 for c in never)
+
+
+def _marked_processes(marker: str) -> list[int]:
+    needle = f"LALORA_FEDERATION_ID={marker}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.flower
+def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
+    pytest.importorskip("flwr")
+    from peft_lalora.federated.launcher import run_flower
+
+    torch.set_num_threads(1)
+    cfg = FederationConfig(**CFG)
+    t0 = time.perf_counter()
+    out = run_flower(cfg, workdir=tmp_path, threads=1, timeout=170)
+    wall = time.perf_counter() - t0
+    # nothing left behind: no process carrying this federation's marker, all teardown checks empty
+    assert out["leftover_pids"] == []
+    assert _marked_processes(out["federation_id"]) == []
+    # the global adapter changed, and it is the FedAvg of what the clients computed
+    g0, g_ref, eps = _replay(cfg)
+    final = torch.load(out["state_path"])
+    assert not all(torch.equal(final[k], g0[k]) for k in g0)
+    _assert_states_equal(final, g_ref, atol=1e-6)
+    # same as the in-process runner, and the same privacy ledger
+    sim = run_simulation(cfg, progress=False)
+    _assert_states_equal(final, sim.state, atol=1e-6)
+    assert out["runner"] == "flower" and len(out["accuracy"]) == 3
+    assert out["accuracy"] == pytest.approx(sim.accuracy, abs=1e-9)
+    assert [out["epsilon"][str(i)] for i in range(2)] == pytest.approx(eps, rel=1e-9)
+    assert [r["clients"] for r in out["rounds"]] == [[0, 1], [0, 1]]
+    print(f"flower federation wall time: {wall:.1f}s")
+
+
+def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypatch):
+    """ServerApp + ClientApp + strategy driven in-process by a Grid that hands each message to the
+    ClientApp (client caches cleared per message, as in the per-message processes of the deployment
+    engine): with fraction < 1 the partition-id handshake routes the seeded sample, and the result
+    equals the in-process simulation."""
+    pytest.importorskip("flwr")
+    from flwr.app import Context, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.supercore.task_identity import TaskIdentity
+    from peft_lalora.federated import flower_app
+
+    # what a real ServerApp process learns from its SuperLink before running the app
+    for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+    class LoopbackGrid(Grid):
+        def __init__(self, contexts):
+            self.contexts = contexts
+            self.sent = []
+
+        def set_run(self, run):  # pragma: no cover - not used by the app
+            pass
+
+        @property
+        def run(self):  # pragma: no cover
+            raise NotImplementedError
+
+        def create_message(self, *a, **k):  # pragma: no cover
+            raise NotImplementedError
+
+        def get_node_ids(self):
+            return list(self.contexts)
+
+        def push_messages(self, messages):  # pragma: no cover
+            raise NotImplementedError
+
+        def pull_messages(self, message_ids):  # pragma: no cover
+            raise NotImplementedError
+
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for m in messages:
+                flower_app._CLIENTS.clear()  # a fresh ClientApp "process" per message
+                self.sent.append((m.metadata.message_type, m.metadata.dst_node_id))
+                replies.append(flower_app.client_app(m, self.contexts[m.metadata.dst_node_id]))
+            return replies
+
+    torch.set_num_threads(1)
+    cfg = FederationConfig(**{**CFG, "num_clients": 3, "fraction": 0.67, "n_train": 72})
+    run_config = {**cfg.to_dict(), "result-path": str(tmp_path / "r.json"), "state-path": str(tmp_path / "s.pt")}
+    node_ids = [101, 205, 309]  # arbitrary ids; partition ids are 0, 1, 2 in another order
+    pids = {101: 2, 205: 0, 309: 1}
+    contexts = {
+        n: Context(
+            run_id=7, node_id=n, node_config={"partition-id": pids[n]}, state=RecordDict(), run_config=run_config
+        )
+        for n in node_ids
+    }
+    grid = LoopbackGrid(contexts)
+    flower_app.server_app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
+    sim = run_simulation(cfg, progress=False)
+    final = torch.load(tmp_path / "s.pt")
+    _assert_states_equal(final, sim.state)
+    # handshake: one query per node, then 2 train messages per round, to the nodes of the sampled partitions
+    assert [t for t, _ in grid.sent[:3]] == ["query"] * 3
+    node_of = {p: n for n, p in pids.items()}
+    trains = [n for t, n in grid.sent if t == "train"]
+    assert trains == [node_of[p] for r in sim.rounds for p in r.clients]
+    assert all(len(r.clients) == 2 for r in sim.rounds)
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["epsilon"] == sim.to_json()["epsilon"] and res["accuracy"] == sim.accuracy
+    assert all(contexts[n].state.config_records["lalora-client"]["rounds-run"] >= 1 for n in node_ids if n in trains)
+
+
+def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
+    pytest.importorskip("flwr")
+    from flwr.common.config import validate_config
+    from peft_lalora.federated.launcher import APP_MODULE, write_flower_app
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    cfg = FederationConfig(**{**CFG, "delta": 1e-6, "target_modules": "query,key,value"})
+    app = write_flower_app(tmp_path / "app", {**cfg.to_dict(), "result-path": "/tmp/r.json"})
+    pyproject = tomllib.loads((app / "pyproject.toml").read_text())
+    ok, errors, _ = validate_config(pyproject, check_module=False)
+    assert ok, errors
+    run_config = pyproject["tool"]["flwr"]["app"]["config"]
+    assert FederationConfig.from_dict(run_config) == cfg
+    source = (app / f"{APP_MODULE}.py").read_text()
+    assert "client_app = ClientApp()" in source and "\nfrom ." not in source  # standalone: absolute imports only
