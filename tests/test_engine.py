@@ -326,3 +326,119 @@ def test_fsdp_is_refused_clearly():
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
             noise_multiplier=NM, max_grad_norm=C, grad_sample_mode="ghost_fsdp", post_hooks=["rmt"],
         )
+
+
+@pytest.mark.parametrize("same_engine", [True, False])
+def test_make_private_again_without_post_hooks_drops_the_old_pipeline(same_engine):
+    torch.manual_seed(0)
+    model = mlp(hidden=32, d_out=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder()
+    kw = dict(optimizer=opt, data_loader=loader(64, 16, d_out=4), noise_multiplier=NM, max_grad_norm=C)
+    first = PrivacyEngine(accountant="rdp")
+    gsm, _, _ = first.make_private(module=model, post_hooks=[rec], **kw)
+    second = first if same_engine else PrivacyEngine(accountant="rdp")
+    gsm, dp_opt, dl = second.make_private(module=gsm, **kw)  # asks for plain Opacus now
+    x, y = next(iter(dl))
+    nn.functional.mse_loss(gsm(x), y).backward()
+    dp_opt.step()
+    assert rec.seen == [] and second.post_hooks is None
+
+
+def test_stepping_the_inner_optimizer_directly_never_feeds_clean_gradients_to_denoisers():
+    torch.manual_seed(0)
+    model = mlp(hidden=32, d_out=4)
+    rec = Recorder()
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, dp_opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM, max_grad_norm=C, post_hooks=[rec],
+    )
+    x, y = next(iter(dl))
+    nn.functional.mse_loss(gsm(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="without Opacus adding noise"):
+        dp_opt.original_optimizer.step()  # bypasses clipping and noise: p.grad is the clean gradient
+    assert rec.seen == [] and engine.post_hooks.diagnostics.skipped == 1
+
+
+def test_names_without_module_are_stable_under_toggling():
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    from opacus_spectral import set_trainable
+
+    torch.manual_seed(0)
+    model = GradSampleModule(mlp(hidden=32, d_out=4))
+    dp_opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C,
+                         expected_batch_size=16)
+    rec = Recorder()
+    install_post_hooks(dp_opt, [rec])  # no module: names come from param-group positions
+    x, y = next(iter(loader(64, 16, d_out=4)))
+    first = list(model._module.parameters())[0]
+    for frozen in (False, True):
+        set_trainable([first], not frozen)
+        dp_opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        dp_opt.step()
+    shapes = {}
+    for step in rec.seen:
+        for r in step:
+            shapes.setdefault(r["name"], set()).add(tuple(r["tensor"].shape))
+    assert all(len(v) == 1 for v in shapes.values()), shapes
+    assert [r["name"] for r in rec.seen[1]] == ["param.1", "param.2", "param.3"]
+
+
+def test_disabled_hooks_in_eval_mode_behave_like_opacus():
+    torch.manual_seed(0)
+    model = mlp(hidden=32, d_out=4)
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, dp_opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM, max_grad_norm=C, post_hooks=[],
+    )
+    gsm.eval()
+    gsm.disable_hooks()
+    x, y = next(iter(dl))
+    nn.functional.mse_loss(gsm(x), y).backward()  # no error: hooks are off, as in vanilla Opacus
+
+
+def test_checkpoint_keeps_stateful_denoiser_state(tmp_path):
+    class Counter(Denoiser):
+        name = "counter"
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __call__(self, grads):
+            self.calls += 1
+
+        def state_dict(self):
+            return {"calls": self.calls}
+
+        def load_state_dict(self, state):
+            self.calls = state["calls"]
+
+    def build():
+        torch.manual_seed(0)
+        model = mlp(hidden=32, d_out=4)
+        engine = PrivacyEngine(accountant="rdp")
+        gsm, dp_opt, dl = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=NM, max_grad_norm=C, post_hooks=[Counter()],
+        )
+        return engine, gsm, dp_opt, dl
+
+    engine, gsm, dp_opt, dl = build()
+    for x, y in dl:
+        dp_opt.zero_grad()
+        nn.functional.mse_loss(gsm(x), y).backward()
+        dp_opt.step()
+    engine.save_checkpoint(path=tmp_path / "ckpt.pt", module=gsm, optimizer=dp_opt)
+    engine2, gsm2, dp_opt2, _ = build()
+    engine2.load_checkpoint(path=tmp_path / "ckpt.pt", module=gsm2, optimizer=dp_opt2)
+    assert engine2.post_hooks.denoisers[0].calls == engine.post_hooks.denoisers[0].calls == 4
+    assert engine2.post_hooks.pipeline.step == 4
+    plain = PrivacyEngine(accountant="rdp")
+    with pytest.raises(ValueError, match="post-hook"):
+        plain.load_checkpoint(path=tmp_path / "ckpt.pt", module=gsm2, optimizer=dp_opt2)

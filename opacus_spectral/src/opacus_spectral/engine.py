@@ -17,7 +17,9 @@ from torch.distributed._composable.fsdp import FSDPModule
 from torch import nn
 
 from .grad_sample import check_per_sample_support, safe_class
-from .installation import PostHookHandle, install_post_hooks
+from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+
+CHECKPOINT_KEY = "opacus_spectral_post_hooks"
 from .pipeline import OnError
 from .registry import HookSpec, Registry
 
@@ -100,9 +102,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
         """
-        if self.post_hooks is not None and post_hooks is not None:
-            self.post_hooks.remove()
-            self.post_hooks = None
+        self._drop_previous_pipeline(kwargs.get("optimizer"))
         out = super().make_private(*args, **kwargs)
         if post_hooks is not None:
             module, optimizer = out[0], out[1]
@@ -126,9 +126,40 @@ class PrivacyEngine(opacus.PrivacyEngine):
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` (kept out of Opacus' kwargs)."""
+        self._drop_previous_pipeline(kwargs.get("optimizer"))
         out = super().make_private_with_epsilon(*args, **kwargs)
         if post_hooks is not None:
             self.post_hooks = install_post_hooks(
                 out[1], post_hooks, module=out[0], on_error=on_denoiser_error, oracle=oracle, registry=self.registry
             )
         return out
+
+    def _drop_previous_pipeline(self, optimizer: Any) -> None:
+        """A new make_private on an optimizer that already carries a pipeline starts without it (whatever
+        ``post_hooks`` says now): the old pipeline would otherwise keep running on the new DPOptimizer."""
+        if self.post_hooks is not None:
+            self.post_hooks.remove()
+            self.post_hooks = None
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        old = getattr(inner, HANDLE_ATTR, None)
+        if old is not None:
+            old.remove()
+
+    # Opacus' checkpoint helpers, plus the pipeline's state (stateful denoisers, step counter).
+    def save_checkpoint(self, *, checkpoint_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:  # type: ignore[override]
+        checkpoint_dict = dict(checkpoint_dict or {})
+        if self.post_hooks is not None:
+            checkpoint_dict[CHECKPOINT_KEY] = self.post_hooks.state_dict()
+        super().save_checkpoint(checkpoint_dict=checkpoint_dict, **kwargs)
+
+    def load_checkpoint(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        checkpoint = super().load_checkpoint(**kwargs)
+        state = checkpoint.pop(CHECKPOINT_KEY, None)
+        if state is not None:
+            if self.post_hooks is None:
+                raise ValueError(
+                    "the checkpoint holds post-hook (denoiser) state but this engine has no post_hooks; call "
+                    "make_private(..., post_hooks=[...]) with the same denoisers before load_checkpoint"
+                )
+            self.post_hooks.load_state_dict(state)
+        return checkpoint

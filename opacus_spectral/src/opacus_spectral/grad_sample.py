@@ -54,6 +54,8 @@ class _AlternationSafe:
     """Mixin over Opacus' hook classes (``GradSampleHooks`` and the ghost-clipping variant)."""
 
     def capture_backprops_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if not getattr(self, "hooks_enabled", True):  # disabled hooks: exactly upstream's behaviour
+            return super().capture_backprops_hook(module, *args, **kwargs)  # type: ignore[misc]
         if not has_trainable_params(module):
             # frozen since wrap time (alternation): nothing to compute, and no activations were stored
             if hasattr(module, "activations"):

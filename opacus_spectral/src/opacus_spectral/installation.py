@@ -27,7 +27,7 @@ from .pipeline import DenoiserError, OnError, PipelineDiagnostics, PostNoisePipe
 from .registry import HookSpec, Registry, create_denoisers, get_registry
 from .roles import ParamInfo, describe_parameters
 
-_HANDLE_ATTR = "_opacus_spectral_handle"
+HANDLE_ATTR = "_opacus_spectral_handle"
 
 
 class PostHookHandle:
@@ -44,7 +44,9 @@ class PostHookHandle:
         self.pipeline = pipeline
         self._module = module
         self._registry = registry
-        self._infos: dict[int, ParamInfo] = {}
+        # names are fixed once, by position in the inner optimizer's param groups (not the changing
+        # trainable subset), so a stateful denoiser keyed by name never mixes two tensors under alternation
+        self._infos: dict[int, ParamInfo] = self._describe()
         self._sigma: float | None = None
         self._scale: float | None = None
         self._removed = False
@@ -55,7 +57,7 @@ class PostHookHandle:
         )
         dp_optimizer.step_hook = self._step_hook
         self._torch_handle = dp_optimizer.original_optimizer.register_step_pre_hook(self._pre_step)
-        setattr(dp_optimizer.original_optimizer, _HANDLE_ATTR, self)
+        setattr(dp_optimizer.original_optimizer, HANDLE_ATTR, self)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -81,8 +83,12 @@ class PostHookHandle:
         if self.optimizer.step_hook == self._step_hook:
             self.optimizer.step_hook = self._prev_step_hook
         inner = self.optimizer.original_optimizer
-        if getattr(inner, _HANDLE_ATTR, None) is self:
-            delattr(inner, _HANDLE_ATTR)
+        if getattr(inner, HANDLE_ATTR, None) is self:
+            delattr(inner, HANDLE_ATTR)
+
+    def _describe(self) -> dict[int, ParamInfo]:
+        every = [p for group in self.optimizer.original_optimizer.param_groups for p in group["params"]]
+        return describe_parameters(every, self._module, self._registry)
 
     # -- hooks ----------------------------------------------------------------------------------------
     def _step_hook(self, opt: DPOptimizer) -> None:
@@ -100,14 +106,24 @@ class PostHookHandle:
 
     def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         opt = self.optimizer
-        sigma = self._sigma if self._sigma is not None else noise_std(opt)
-        self._sigma = None
+        sigma, self._sigma = self._sigma, None
+        if sigma is None:
+            # Opacus' pre_step did not run (the inner optimizer was stepped directly): p.grad holds no DP noise,
+            # so a denoiser must not see it (invariant 1). Skip, warn once, count.
+            self.pipeline.diagnostics.skipped += 1
+            if self.pipeline.diagnostics.skipped == 1:
+                warnings.warn(
+                    "the inner optimizer stepped without Opacus adding noise (DPOptimizer.step was bypassed); "
+                    "post hooks were skipped for that step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
         params = [p for p in opt.params if p.grad is not None]
         if not params:
             return
-        missing = [p for p in params if id(p) not in self._infos]
-        if missing:
-            self._infos.update(describe_parameters(opt.params, self._module, self._registry))
+        if any(id(p) not in self._infos for p in params):  # a param group added after installation
+            self._infos = self._describe()
         infos = [self._infos[id(p)] for p in params]
         clean = None
         if self.pipeline.oracle:
@@ -165,7 +181,7 @@ def install_post_hooks(
         raise ValueError("oracle diagnostics need the clean gradient, which DDP ranks never share; use oracle=False")
     reg = registry or get_registry()
     denoisers = create_denoisers(hooks, reg)
-    old = getattr(dp_optimizer.original_optimizer, _HANDLE_ATTR, None)
+    old = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
     if old is not None:
         warnings.warn("replacing post hooks previously installed on this optimizer", RuntimeWarning, stacklevel=2)
         old.remove()

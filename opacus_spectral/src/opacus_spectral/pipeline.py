@@ -51,6 +51,7 @@ class PipelineDiagnostics:
     calls: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
+    skipped: int = 0  #: inner-optimizer steps without Opacus noise (post hooks not run)
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
 
     @property
