@@ -1,0 +1,56 @@
+"""Data and model loading for the benchmarks: packaged corpora/weights that install offline, hub fallback.
+
+Needs the ``datasets`` package. See ``docs/demo.md`` for the offline packages.
+"""
+
+from .models import (
+    MINILM_HUB_ID,
+    MINILM_PIP,
+    load_minilm,
+    minilm_path,
+    synthetic_text_task,
+    tiny_bert,
+    tiny_bert_config,
+)
+from .text import (
+    BBC_HUB_ID,
+    BBC_PIP,
+    RT_HUB_ID,
+    RT_PIP,
+    DataUnavailableError,
+    dedupe,
+    label_counts,
+    load_bbc_news,
+    load_rotten_tomatoes,
+    normalize_text,
+    package_dir,
+    read_bbc_folder,
+    read_rotten_tomatoes_csv,
+    stratified_split,
+    tokenize,
+)
+
+__all__ = [
+    "BBC_HUB_ID",
+    "BBC_PIP",
+    "MINILM_HUB_ID",
+    "MINILM_PIP",
+    "RT_HUB_ID",
+    "RT_PIP",
+    "DataUnavailableError",
+    "dedupe",
+    "label_counts",
+    "load_bbc_news",
+    "load_minilm",
+    "load_rotten_tomatoes",
+    "minilm_path",
+    "normalize_text",
+    "package_dir",
+    "read_bbc_folder",
+    "read_rotten_tomatoes_csv",
+    "stratified_split",
+    "synthetic_text_task",
+    "tiny_bert",
+    "tiny_bert_config",
+    "tokenize",
+]
