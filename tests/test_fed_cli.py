@@ -32,6 +32,12 @@ def test_filters_map_to_post_hooks():
     assert cfg.client_config().post_hooks == []
 
 
+def test_reproducible_noise_is_an_explicit_opt_in():
+    assert _config(build_parser().parse_args(["federate"])).reproducible_noise is False
+    cfg = _config(build_parser().parse_args(["federate", "--reproducible-noise"]))
+    assert cfg.reproducible_noise is True and cfg.client_config().reproducible_noise is True
+
+
 def test_federate_smoke_two_rounds(tmp_path, capsys):
     out = tmp_path / "res.json"
     rc = main(
@@ -78,6 +84,8 @@ def test_federate_smoke_two_rounds(tmp_path, capsys):
     assert res["config"]["num_clients"] == 3 and res["config"]["alpha"] == 0.5
     assert [r["round"] for r in res["rounds"]] == [1, 2]
     assert sum(map(sum, res["partition"]["label_histograms"])) == 96
+    assert res["noise"]["reproducible"] is False and res["config"]["reproducible_noise"] is False
+    assert res["failed_rounds"] == []
     assert "max ε" in capsys.readouterr().out
 
 

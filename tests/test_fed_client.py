@@ -1,8 +1,10 @@
 """DP federated client and privacy ledger: accounting equals a fresh Opacus accountant for the steps
-actually run; one PrivacyEngine per client; alternation per round; cloned states; reproducible rounds."""
+actually run; one PrivacyEngine per client; alternation per round; cloned states; noise from OS entropy
+by default and seeded only on request; replayed rounds refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +21,8 @@ from peft_lalora.federated.federation import (  # noqa: E402
     build_partition,
     build_task,
 )
+from peft_lalora.federated import client as client_mod  # noqa: E402
+from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWarning  # noqa: E402
 from peft_lalora.federated.ledger import PrivacyLedger, epsilon_from_history, normalize_history  # noqa: E402
 
 DELTA = 1e-5
@@ -147,15 +151,59 @@ def test_rolora_trains_one_factor_per_round():
     cfg, task, part, g = _setup(algo="rolora", local_steps=2)
     c = build_client(cfg, task, part, 0)
     a0, b0, _ = _split(g)
-    a1, b1, _ = _split(c.fit(g, 0).state)  # round 0: first factor B
+    a1, b1, _ = _split(c.fit(g, 1).state)  # federated round 1 (1-based): first factor B
     assert _same(a0, a1) and not _same(b0, b1)
-    a2, b2, _ = _split(c.fit(g, 1).state)  # round 1: A
+    a2, b2, _ = _split(c.fit(g, 2).state)  # round 2: A
     assert not _same(a0, a2) and _same(b0, b2)
 
 
+def test_default_noise_is_fresh_os_entropy_not_a_function_of_the_seeds(monkeypatch):
+    """Two fresh clients, same (seed, client, round): different noise and Poisson draws by default, so
+    whoever knows the run's seed cannot regenerate them; identical only with the explicit opt-in."""
+    cfg, task, part, g = _setup(algo="dp-lora", local_steps=1)
+
+    def public_seeds(*a, **k):
+        raise AssertionError("default noise must not be derived from (seed, client, round)")
+
+    with monkeypatch.context() as m:
+        m.setattr(client_mod, "round_seeds", public_seeds)
+        c1, c2 = build_client(cfg, task, part, 0), build_client(cfg, task, part, 0)
+        u1, u2 = c1.fit(g, 1), c2.fit(g, 1)
+    assert not _same(u1.state, u2.state)
+    assert not torch.equal(c1._noise_gen.get_state(), c2._noise_gen.get_state())
+    assert not torch.equal(c1._sampler_gen.get_state(), c2._sampler_gen.get_state())
+    # opt-in: a pure function of the public seeds (hence the warning)
+    cfg_r = dataclasses.replace(cfg, reproducible_noise=True)
+    with pytest.warns(ReproducibleNoiseWarning, match="not private against whoever knows the seed"):
+        r1, r2 = build_client(cfg_r, task, part, 0), build_client(cfg_r, task, part, 0)
+    assert _same(r1.fit(g, 1).state, r2.fit(g, 1).state)
+
+
+def test_replayed_or_older_round_is_refused_and_spends_nothing():
+    cfg, task, part, g = _setup(local_steps=1)
+    c = build_client(cfg, task, part, 0)
+    c.fit(g, 2)
+    hist, params = c.history, {k: v.detach().clone() for k, v in c.params.items()}
+    with pytest.raises(ReplayedRoundError, match="round 2 requested but round 2 was already run"):
+        c.fit(g, 2)
+    with pytest.raises(ReplayedRoundError):
+        c.fit(g, 1)
+    with pytest.raises(ValueError, match="1-based"):
+        c.fit(g, 0)
+    assert c.history == hist and c.last_round == 2 and _same(params, {k: v.detach() for k, v in c.params.items()})
+    # the last round survives a rebuild (Flower: one process per message)
+    rebuilt = build_client(cfg, task, part, 0)
+    rebuilt.load_state_dict(c.state_dict())
+    with pytest.raises(ReplayedRoundError):
+        rebuilt.fit(g, 2)
+    assert rebuilt.fit(g, 3).round == 3 and rebuilt.last_round == 3
+
+
+@pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.ReproducibleNoiseWarning")
 def test_rebuilt_client_with_restored_state_reproduces_the_round():
-    """The Flower path: a fresh process rebuilds the client and restores its accountant history."""
-    cfg, task, part, g = _setup(filter="binomial5")
+    """The Flower path: a fresh process rebuilds the client and restores its accountant history
+    (bit-exact only with the reproducible_noise opt-in)."""
+    cfg, task, part, g = _setup(filter="binomial5", reproducible_noise=True)
     live = build_client(cfg, task, part, 1)
     live.fit(g, 1)
     rebuilt = build_client(cfg, task, part, 1)
@@ -206,6 +254,12 @@ def test_config_validation_and_flat_round_trip():
         ClientConfig(target_epsilon=1.0)
     with pytest.raises(ValueError, match="ghost"):
         ClientConfig(noise_multiplier=1.0, grad_sample_mode="ghost")
+    with pytest.raises(ValueError, match="exclude"):
+        ClientConfig(noise_multiplier=1.0, secure_mode=True, reproducible_noise=True)
+    assert ClientConfig(noise_multiplier=1.0).reproducible_noise is False
+    assert FederationConfig().reproducible_noise is False
+    assert FederationConfig().client_config().reproducible_noise is False
+    assert FederationConfig.from_dict({"reproducible-noise": "true"}).client_config().reproducible_noise is True
     cfg = FederationConfig.from_dict({"num-clients": "3", "alpha": 1, "weighted": "false", "result-path": "/x"})
     assert (cfg.num_clients, cfg.alpha, cfg.weighted) == (3, 1.0, False)
     assert isinstance(cfg.alpha, float)

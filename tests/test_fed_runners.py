@@ -1,6 +1,7 @@
 """The two runners: in-process simulation and a real Flower federation (SuperLink + 2 SuperNodes on
-127.0.0.1) give the same global adapter, which is the FedAvg of the clients' results; nothing is left
-running afterwards."""
+127.0.0.1) give the same global adapter (with the reproducible_noise opt-in), which is the FedAvg of the
+clients' results; nothing is left running afterwards. RoLoRA's first federated round trains first_factor;
+a round without any valid update keeps the global state and the run goes on; replayed rounds are refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
+from peft_lalora.federated import simulation as simulation_mod  # noqa: E402
 from peft_lalora.federated.aggregate import fedavg  # noqa: E402
+from peft_lalora.federated.client import REPRODUCIBLE_NOISE_NOTE, ReplayedRoundError  # noqa: E402
 from peft_lalora.federated.federation import (  # noqa: E402
     FederationConfig,
     build_client,
@@ -23,6 +26,9 @@ from peft_lalora.federated.federation import (  # noqa: E402
     build_task,
 )
 from peft_lalora.federated.simulation import run_simulation  # noqa: E402
+
+# Runner equality needs noise that is a function of the seeds: opt in (experiments only).
+pytestmark = pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.ReproducibleNoiseWarning")
 
 # LA-LoRA (step alternation) with the paper's binomial low-pass filter, DP via calibrated noise.
 CFG = dict(
@@ -37,6 +43,7 @@ CFG = dict(
     n_test=32,
     epsilon=5.0,
     seed=3,
+    reproducible_noise=True,
 )
 
 
@@ -69,6 +76,62 @@ def test_simulation_equals_hand_replay():
     assert [res.privacy["clients"][str(i)]["epsilon"] for i in range(2)] == pytest.approx(eps, rel=1e-12)
     assert max(eps) <= 5.0 + 0.05
     assert len(res.accuracy) == 3 and all(0.0 <= a <= 1.0 for a in res.accuracy)
+    noise = res.to_json()["noise"]
+    assert noise["reproducible"] is True and noise["note"] == REPRODUCIBLE_NOISE_NOTE
+
+
+def _factors_moved(before, after):
+    return {f for f in "AB" if not all(torch.equal(before[k], after[k]) for k in before if f".lora_{f}." in k)}
+
+
+def test_rolora_first_federated_round_trains_first_factor():
+    """Runners number rounds from 1: round 1 must train first_factor (B) only, round 2 the other one."""
+    first, other = "B", "A"
+    cfg = FederationConfig(
+        **{**CFG, "algo": "rolora", "first_factor": first, "filter": "none", "local_steps": 1, "n_train": 48,
+           "n_test": 16, "reproducible_noise": False}
+    )
+    g0 = build_evaluator(cfg, build_task(cfg)).initial_state()
+    states = []
+    res = run_simulation(cfg, progress=False, on_round=lambda rec, s: states.append(dict(s)))
+    assert _factors_moved(g0, states[0]) == {first}
+    assert _factors_moved(states[0], states[1]) == {other}
+    assert res.to_json()["noise"]["reproducible"] is False
+
+
+def test_round_without_valid_updates_keeps_global_state_and_run_continues(monkeypatch):
+    """Every update of round 1 is NaN (rejected): no AggregationError escapes, the global state stays,
+    the round records why, privacy spent is still counted, and round 2 aggregates normally."""
+    cfg = FederationConfig(**{**CFG, "filter": "none", "local_steps": 1, "n_train": 48, "n_test": 16})
+    real_build = simulation_mod.build_client
+
+    def poisoned_build(*a, **k):
+        client = real_build(*a, **k)
+        fit = client.fit
+
+        def poisoned_fit(g, rnd, *fa, **fk):
+            u = fit(g, rnd, *fa, **fk)
+            if rnd == 1:
+                u.state = {n: torch.full_like(t, float("nan")) for n, t in u.state.items()}
+            return u
+
+        client.fit = poisoned_fit
+        return client
+
+    monkeypatch.setattr(simulation_mod, "build_client", poisoned_build)
+    g0 = build_evaluator(cfg, build_task(cfg)).initial_state()
+    states = []
+    res = run_simulation(cfg, progress=False, on_round=lambda rec, s: states.append(dict(s)))
+    r1, r2 = res.rounds
+    assert r1.error is not None and "aggregation failed, global state kept" in r1.error
+    assert sorted(r["client"] for r in r1.rejected) == [0, 1]
+    assert all("non-finite" in r["reason"] for r in r1.rejected)
+    _assert_states_equal(states[0], g0)
+    assert r1.accuracy == res.initial["accuracy"]
+    assert r2.error is None and r2.rejected == [] and not all(torch.equal(states[1][k], g0[k]) for k in g0)
+    assert all(v["steps"] == 2 for v in res.privacy["clients"].values()), "round 1's noise was still spent"
+    out = res.to_json()
+    assert out["failed_rounds"] == [1] and out["rounds"][0]["error"] == r1.error
 
 
 def test_client_sampling_fraction_limits_participation():
@@ -120,6 +183,8 @@ def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
     assert out["accuracy"] == pytest.approx(sim.accuracy, abs=1e-9)
     assert [out["epsilon"][str(i)] for i in range(2)] == pytest.approx(eps, rel=1e-9)
     assert [r["clients"] for r in out["rounds"]] == [[0, 1], [0, 1]]
+    assert out["noise"]["reproducible"] is True and out["noise"]["note"] == REPRODUCIBLE_NOISE_NOTE
+    assert out["failed_rounds"] == [] and [r["error"] for r in out["rounds"]] == [None, None]
     print(f"flower federation wall time: {wall:.1f}s")
 
 
@@ -195,6 +260,64 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["epsilon"] == sim.to_json()["epsilon"] and res["accuracy"] == sim.accuracy
     assert all(contexts[n].state.config_records["lalora-client"]["rounds-run"] >= 1 for n in node_ids if n in trains)
+    # replay protection survives the per-message rebuild: the node's context remembers its last round
+    n_last = trains[-1]
+    assert contexts[n_last].state.config_records["lalora-client"]["last-round"] == cfg.rounds
+    replay = _train_message(flower_app, final, cfg.rounds, n_last)
+    flower_app._CLIENTS.clear()
+    with pytest.raises(ReplayedRoundError, match=f"round {cfg.rounds} requested"):
+        flower_app.client_app(replay, contexts[n_last])
+
+
+def _train_message(flower_app, state, server_round, node):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    content = RecordDict({"arrays": ArrayRecord(state), "config": ConfigRecord({"server-round": server_round})})
+    return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+
+
+def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
+    """aggregate_train with only an error reply, a malformed reply and a NaN update keeps the previous
+    global adapter, records every reason and the failure, and the next round aggregates again."""
+    pytest.importorskip("flwr")
+    from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.ledger import PrivacyLedger
+
+    for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    cfg = FederationConfig(**{**CFG, "num_clients": 3})
+    g0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2)}
+    ledger = PrivacyLedger(cfg.delta)
+    strategy = flower_app.LALoraStrategy(cfg, None, g0, ledger, nodes=[1, 2, 3])
+
+    def reply(node, state, pid, steps=2, **drop):
+        metrics = {"partition-id": pid, "num-examples": 10, "train-loss": 0.5, "epsilon": 1.0,
+                   "dp-sigma": [1.0], "dp-q": [0.1], "dp-steps": [steps]}
+        metrics = {k: v for k, v in metrics.items() if k not in drop}
+        content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+        return Message(content, reply_to=_train_message(flower_app, g0, 1, node))
+
+    nan = {k: torch.full_like(v, float("nan")) for k, v in g0.items()}
+    bad = [
+        Message(Error(code=0, reason="client crashed"), reply_to=_train_message(flower_app, g0, 1, 1)),
+        reply(2, g0, 1, **{"num-examples": None}),
+        reply(3, nan, 2),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, bad)
+    kept = arrays.to_torch_state_dict()
+    _assert_states_equal(kept, g0)
+    assert strategy.global_state is not None and metrics["round-failed"] == 1 and metrics["num-rejected"] == 3
+    rec = strategy.records[-1]
+    assert rec["error"].startswith("aggregation failed, global state kept")
+    reasons = " | ".join(r["reason"] for r in rec["rejected"])
+    assert "client crashed" in reasons and "malformed reply" in reasons and "non-finite" in reasons
+    assert ledger.clients[2].steps == 2, "the rejected NaN update still spent privacy"
+    new = {k: v + 1 for k, v in g0.items()}
+    arrays, metrics = strategy.aggregate_train(2, [reply(1, new, 0), reply(2, new, 1, steps=4)])
+    _assert_states_equal(arrays.to_torch_state_dict(), new)
+    assert metrics["round-failed"] == 0 and strategy.records[-1]["error"] is None
 
 
 def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):

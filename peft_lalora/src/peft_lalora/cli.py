@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--lora-alpha", type=int, default=8)
     f.add_argument("--first-factor", choices=["B", "A"], default="B")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument(
+        "--reproducible-noise",
+        action="store_true",
+        help="seed DP noise and Poisson sampling from (seed, client, round) instead of OS entropy — for "
+        "experiments only: NOT private against whoever knows the seed",
+    )
     f.add_argument("--n-train", type=int, default=512, help="training examples (minilm-rt: subsample, 0 = all)")
     f.add_argument("--n-test", type=int, default=256, help="test examples (minilm-rt: subsample, 0 = all)")
     f.add_argument("--seq-len", type=int, default=0, help="tokens per example (0: tiny 16, minilm-rt 64)")
@@ -104,6 +110,7 @@ def _config(args: argparse.Namespace) -> Any:
         rank=args.rank,
         lora_alpha=args.lora_alpha,
         seed=args.seed,
+        reproducible_noise=args.reproducible_noise,
         n_train=args.n_train,
         n_test=args.n_test,
         seq_len=args.seq_len,
@@ -113,6 +120,10 @@ def _config(args: argparse.Namespace) -> Any:
 def federate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict."""
     cfg = _config(args)
+    if cfg.reproducible_noise:
+        from .federated.client import REPRODUCIBLE_NOISE_NOTE
+
+        print(f"peft-lalora federate: warning: --reproducible-noise: {REPRODUCIBLE_NOISE_NOTE}", file=sys.stderr)
     if args.runner == "flower":
         from .federated.launcher import run_flower
 
@@ -145,6 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"after {len(acc) - 1} round(s); max ε = {out['max_epsilon']:.4f} at δ = {out['config']['delta']:g}; "
             f"wrote {args.out}"
         )
+        if out.get("failed_rounds"):
+            print(
+                f"peft-lalora federate: warning: round(s) {out['failed_rounds']} kept the previous global state "
+                "(no valid update; see 'error' in the result's rounds)",
+                file=sys.stderr,
+            )
         return 0
     return 1  # pragma: no cover - argparse enforces a command
 

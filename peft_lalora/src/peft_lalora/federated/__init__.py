@@ -22,6 +22,8 @@ _LAZY = {
     "ClientConfig": "client",
     "ClientUpdate": "client",
     "DPClient": "client",
+    "ReplayedRoundError": "client",
+    "ReproducibleNoiseWarning": "client",
     "Evaluator": "client",
     "adapter_state": "client",
     "load_adapter_state": "client",

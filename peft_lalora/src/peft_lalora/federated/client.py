@@ -6,22 +6,39 @@ pitfall). A round (:meth:`DPClient.fit`):
 
 1. loads the global adapter state (LoRA A, B and the trainable head) into the model;
 2. resets the inner optimizer's state (the reference code rebuilds the optimizer every round; resetting
-   keeps the single DP wrapper) and re-seeds its RNGs from ``(seed, client, round)`` so a round is a pure
-   function of its inputs — the Flower runner, which rebuilds clients in fresh processes, gets the same
-   numbers;
+   keeps the single DP wrapper) and re-seeds its noise, Poisson-sampling and torch generators — by
+   default from **OS entropy** (``secrets``), fresh every round; only with the explicit opt-in
+   ``ClientConfig.reproducible_noise`` from ``(seed, client, round)`` (see below);
 3. runs K local DP-SGD steps with Poisson sampling; the :class:`~peft_lalora.AlternationController`
-   (``start_round`` each round) decides which factor trains on each step; ``post_hooks`` (e.g.
-   ``["lowpass"]``) post-process the noisy gradient;
+   decides which factor trains on each step (federated round ``r`` — 1-based, as Flower's
+   ``server_round`` — is schedule round ``r - 1``, so RoLoRA trains ``first_factor`` in round 1);
+   ``post_hooks`` (e.g. ``["lowpass"]``) post-process the noisy gradient;
 4. returns a cloned adapter state, the number of local examples, and the ε spent so far according to the
    client's own accountant, which lives across rounds (its history can be exported and restored).
 
 An empty Poisson batch still takes a DP step (zero clipped sum plus noise): skipping it would release
 "no update" exactly when no example was sampled, which the accountant does not cover.
+
+Noise and replays. The DP guarantee assumes the Gaussian noise and the Poisson sample are unknown to
+the adversary. The federation seed is in the server-written run configuration and the round index is
+sent by the server, so noise seeded from them can be regenerated (and subtracted) by anyone who knows
+the seed, and a server that replays a round would get two releases with the same noise. Hence:
+
+* by default every round draws fresh seeds from the OS CSPRNG (``secrets.randbits``) for the noise
+  generator, the Poisson sampler and the torch RNG (dropout); nothing about them is stored or sent;
+* ``reproducible_noise=True`` seeds them from :func:`round_seeds` ``(seed, client, round)`` — for
+  experiments only (runner equivalence, bit-exact resumption): the noise is then a function of public
+  seeds and is **not private against whoever knows the seed**; a :class:`ReproducibleNoiseWarning` is
+  emitted;
+* a client refuses (:class:`ReplayedRoundError`) any round index ``<=`` the last one it ran; the last
+  round is part of :meth:`DPClient.state_dict`, so a rebuilt client (Flower) refuses it as well.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,6 +52,9 @@ __all__ = [
     "ClientUpdate",
     "DPClient",
     "Evaluator",
+    "REPRODUCIBLE_NOISE_NOTE",
+    "ReplayedRoundError",
+    "ReproducibleNoiseWarning",
     "adapter_state",
     "load_adapter_state",
     "round_seeds",
@@ -44,6 +64,24 @@ __all__ = [
 
 Batch = Sequence[torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+#: What a result records when ``reproducible_noise`` is on.
+REPRODUCIBLE_NOISE_NOTE = (
+    "noise is a function of public seeds: for experiments only, not private against whoever knows the seed"
+)
+
+
+class ReproducibleNoiseWarning(UserWarning):
+    """DP noise and Poisson sampling are seeded from public seeds (``reproducible_noise=True``)."""
+
+
+class ReplayedRoundError(RuntimeError):
+    """A client was asked to train a round index it has already run (or an older one)."""
+
+
+def _os_seed() -> int:
+    """A 63-bit seed from the OS CSPRNG (never derived from, stored with or sent alongside the run)."""
+    return secrets.randbits(63)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -117,7 +155,10 @@ class ClientConfig:
     accountant: str = "rdp"
     post_hooks: list[Any] = field(default_factory=list)
     grad_sample_mode: str = "hooks"  #: "hooks" or "functorch"
-    secure_mode: bool = False  #: CSPRNG noise/sampling; disables the per-round re-seeding (not reproducible)
+    secure_mode: bool = False  #: Opacus' CSPRNG (torchcsprng) for noise/sampling instead of OS-entropy seeds
+    #: seed noise / Poisson sampling / dropout from ``(seed, client, round)``: experiments only, NOT private
+    #: against whoever knows the seed (see the module docstring). Default: fresh OS entropy every round.
+    reproducible_noise: bool = False
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -138,6 +179,8 @@ class ClientConfig:
                 f"grad_sample_mode must be 'hooks' or 'functorch', got {self.grad_sample_mode!r} (ghost clipping "
                 "replaces the loss with Opacus' DP criterion, which DPClient's loss_fn interface does not carry)"
             )
+        if self.secure_mode and self.reproducible_noise:
+            raise ValueError("secure_mode and reproducible_noise exclude each other (CSPRNG noise cannot be seeded)")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -150,7 +193,7 @@ class ClientUpdate:
     """What a client returns after a round."""
 
     client: int
-    round: int
+    round: int  #: the federated round (1-based)
     state: dict[str, torch.Tensor]
     num_examples: int
     epsilon: float
@@ -174,7 +217,7 @@ class DPClient:
             FFA-LoRA / DP-LoRA); ``None`` when ``model`` is already a PeftModel.
         train_data: a map-style dataset of tensor tuples (e.g. ``TensorDataset``).
         config: :class:`ClientConfig`.
-        seed: federation seed.
+        seed: federation seed (seeds the noise only with ``config.reproducible_noise``).
         loss_fn: ``loss_fn(model, batch) -> scalar loss`` (mean over the batch).
     """
 
@@ -199,6 +242,12 @@ class DPClient:
 
         self.client_id = int(client_id)
         self.config = config
+        if config.reproducible_noise:
+            warnings.warn(
+                f"client {client_id}: reproducible_noise=True — {REPRODUCIBLE_NOISE_NOTE}",
+                ReproducibleNoiseWarning,
+                stacklevel=2,
+            )
         self.seed = int(seed)
         self.loss_fn = loss_fn
         self.num_examples = len(train_data)  # type: ignore[arg-type]
@@ -227,8 +276,12 @@ class DPClient:
         else:
             inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
+        # Seeded from OS entropy here and again at every round (or from round_seeds when reproducible).
         self._sampler_gen = torch.Generator()
+        self._sampler_gen.manual_seed(_os_seed())
         self._noise_gen = None if config.secure_mode else torch.Generator(device=device)
+        if self._noise_gen is not None:
+            self._noise_gen.manual_seed(_os_seed())
         loader = torch.utils.data.DataLoader(
             train_data, batch_size=min(config.batch_size, self.num_examples), shuffle=False, generator=self._sampler_gen
         )
@@ -261,6 +314,7 @@ class DPClient:
         self.controller = AlternationController(peft_model, self.optimizer)
         self.rounds_run = 0
         self.total_steps = 0
+        self.last_round = 0  #: last federated round run (1-based; 0 = none yet); older/equal ones are refused
 
     # -------------------------------------------------------------------------------------- privacy
     @property
@@ -275,9 +329,15 @@ class DPClient:
         return float(self.engine.accountant.get_epsilon(delta=self.config.delta if delta is None else delta))
 
     def state_dict(self) -> dict[str, Any]:
-        """What must survive between rounds when the client is rebuilt (Flower): the accountant history
-        and counters. Optimizer state is reset every round and RNGs are re-seeded, so nothing else is."""
-        return {"history": self.history, "rounds_run": self.rounds_run, "total_steps": self.total_steps}
+        """What must survive between rounds when the client is rebuilt (Flower): the accountant history,
+        counters and the last round run (replay protection). Optimizer state is reset every round and RNGs
+        are re-seeded, so nothing else is."""
+        return {
+            "history": self.history,
+            "rounds_run": self.rounds_run,
+            "total_steps": self.total_steps,
+            "last_round": self.last_round,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         from .ledger import normalize_history
@@ -285,10 +345,16 @@ class DPClient:
         self.engine.accountant.history = list(normalize_history(state.get("history", [])))
         self.rounds_run = int(state.get("rounds_run", 0))
         self.total_steps = int(state.get("total_steps", 0))
+        self.last_round = int(state.get("last_round", 0))
 
     # -------------------------------------------------------------------------------------- training
     def _reseed(self, round_index: int) -> int:
-        s_sampler, s_noise, s_torch = round_seeds(self.seed, self.client_id, round_index)
+        """Seed the sampler and noise generators for a round; return the seed for torch's global RNG.
+        Fresh OS entropy by default, ``round_seeds(seed, client, round)`` only with ``reproducible_noise``."""
+        if self.config.reproducible_noise:
+            s_sampler, s_noise, s_torch = round_seeds(self.seed, self.client_id, round_index)
+        else:
+            s_sampler, s_noise, s_torch = _os_seed(), _os_seed(), _os_seed()
         self._sampler_gen.manual_seed(s_sampler)
         if self._noise_gen is not None:
             self._noise_gen.manual_seed(s_noise)
@@ -307,11 +373,29 @@ class DPClient:
         round_index: int,
         local_steps: int | None = None,
     ) -> ClientUpdate:
-        """Run one round of ``local_steps`` (default ``config.local_steps``) DP steps from ``global_state``."""
+        """Run one round of ``local_steps`` (default ``config.local_steps``) DP steps from ``global_state``.
+
+        Args:
+            global_state: the global adapter to start from.
+            round_index: the federated round, **1-based** (Flower's ``server_round``); it is the
+                alternation schedule's round ``round_index - 1``. Must exceed every round this client
+                has run before (:class:`ReplayedRoundError` otherwise, before anything is trained).
+            local_steps: overrides ``config.local_steps``.
+        """
         k_steps = self.config.local_steps if local_steps is None else int(local_steps)
         if k_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {k_steps}")
+        if isinstance(round_index, bool) or int(round_index) != round_index or round_index < 1:
+            raise ValueError(f"round_index is the 1-based federated round, got {round_index!r}")
+        round_index = int(round_index)
+        if round_index <= self.last_round:
+            raise ReplayedRoundError(
+                f"client {self.client_id}: round {round_index} requested but round {self.last_round} was already "
+                "run; refusing to train a round index twice (a replayed round would release a second update "
+                "of the same round)"
+            )
         load_adapter_state(self.params, global_state)
+        self.last_round = round_index  # consumed even if training fails below: never retried
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.original_optimizer.state.clear()
         pipeline = getattr(self.engine.post_hooks, "pipeline", None)
@@ -326,7 +410,7 @@ class DPClient:
         with torch.random.fork_rng(devices=fork_devices, enabled=torch_seed is not None):
             if torch_seed is not None:
                 torch.manual_seed(torch_seed)
-            self.controller.start_round(round_index)
+            self.controller.start_round(round_index - 1)  # schedule rounds are 0-based
             it = iter(self.loader)
             for _ in range(k_steps):
                 try:

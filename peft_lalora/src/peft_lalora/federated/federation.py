@@ -43,6 +43,7 @@ __all__ = [
     "build_task",
     "make_peft_config",
     "make_peft_model",
+    "noise_record",
     "sample_clients",
     "to_tensor_dataset",
 ]
@@ -70,6 +71,11 @@ class FederationConfig:
     Privacy: ``epsilon > 0`` calibrates each client's σ so that a client sampled in *every* round ends
     at ``(epsilon, delta)`` after ``rounds × local_steps`` steps; ``epsilon <= 0`` uses
     ``noise_multiplier`` as given.
+
+    ``reproducible_noise`` (default ``False``): seed each client's DP noise, Poisson sampling and dropout
+    from ``(seed, client, round)`` instead of fresh OS entropy — so that runners can be compared bit for
+    bit. ``seed`` is part of this (server-written) configuration, so such noise is **not private against
+    whoever knows the seed**: experiments only. The result JSON records it (:func:`noise_record`).
     """
 
     task: str = "tiny"
@@ -100,6 +106,7 @@ class FederationConfig:
     lora_alpha: int = 8
     target_modules: str = "query,value"
     seed: int = 0
+    reproducible_noise: bool = False  #: noise seeded from public seeds — experiments only, not private
     # data sizes: tiny = generated examples; minilm-rt = seeded subsample of the split (0 = all of it)
     n_train: int = 512
     n_test: int = 256
@@ -173,6 +180,7 @@ class FederationConfig:
             planned_steps=self.rounds * self.local_steps if calibrate else None,
             delta=self.delta,
             accountant=self.accountant,
+            reproducible_noise=self.reproducible_noise,
             post_hooks=[tuple(h) if isinstance(h, list) else h for h in FILTERS[self.filter]],
         )
 
@@ -300,6 +308,23 @@ def build_evaluator(cfg: FederationConfig, task: Task) -> Any:
     from .client import Evaluator
 
     return Evaluator(make_peft_model(cfg, task), None, to_tensor_dataset(task.test, task.columns))
+
+
+def noise_record(cfg: FederationConfig) -> dict[str, Any]:
+    """What the result JSON says about where the DP noise came from (``"noise"`` key)."""
+    from .client import REPRODUCIBLE_NOISE_NOTE
+
+    if cfg.reproducible_noise:
+        return {
+            "reproducible": True,
+            "source": "seeded from (seed, client, round) — public: seed is in the run config",
+            "note": REPRODUCIBLE_NOISE_NOTE,
+        }
+    return {
+        "reproducible": False,
+        "source": "fresh OS entropy per client and round (secrets), never stored or sent",
+        "note": "not reproducible run to run; rounds are refused if replayed",
+    }
 
 
 def sample_clients(cfg: FederationConfig, round_index: int) -> list[int]:

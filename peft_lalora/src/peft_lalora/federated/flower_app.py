@@ -14,12 +14,16 @@ Protocol:
    and the round; replies carry the client's adapter, ``num-examples``, ``partition-id``, its ε and its
    accountant history (``dp-sigma`` / ``dp-q`` / ``dp-steps``) for the server's privacy ledger;
    ``aggregate_train`` runs :func:`aggregate_updates` (validation + FedAvg of A, B and head);
-   centralized evaluation on the server's test set after every round.
+   centralized evaluation on the server's test set after every round. A round in which every reply
+   failed, was malformed or was rejected keeps the previous global adapter and records why (``error``
+   and ``rejected`` in its result record); the run goes on.
 
 The deployment engine starts a fresh ClientApp process per message, so a client is rebuilt every
-round and its accountant history is kept in ``context.state`` (it never leaves the node except as the
-history the ledger needs). Everything else a round depends on is re-derived from the seeds, which is
-why both runners produce the same global adapter.
+round; its accountant history and the last round it ran are kept in ``context.state`` (they never leave
+the node except as the history the ledger needs). A train message for a round the node has already run
+is refused (:class:`~peft_lalora.federated.client.ReplayedRoundError`, an error reply). The DP noise is
+fresh OS entropy by default; with ``reproducible-noise = true`` it is re-derived from the seeds, which
+is why both runners then produce the same global adapter.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def _client_for(cfg: FederationConfig, context: Context) -> Any:
                     "history": _history(saved),
                     "rounds_run": int(_number(saved, "rounds-run")),
                     "total_steps": int(_number(saved, "total-steps")),
+                    "last_round": int(_number(saved, "last-round")),
                 }
             )
         _CLIENTS[key] = client
@@ -153,6 +158,7 @@ def _train(msg: Message, context: Context) -> Message:
             "dp-steps": [h[2] for h in hist],
             "rounds-run": client.rounds_run,
             "total-steps": client.total_steps,
+            "last-round": client.last_round,
         }
     )
     metrics = MetricRecord(
@@ -226,46 +232,71 @@ class LALoraStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FedAvg of the valid replies. Error replies, malformed replies and invalid updates are dropped
+        with their reasons; if none is left (``AggregationError``) the previous global adapter is kept and
+        the round's record carries ``error`` — one bad round does not end the run."""
+        from peft_lalora.federated.aggregate import AggregationError
         from peft_lalora.federated.federation import aggregate_updates
 
         states, sizes, ids, losses = [], [], [], []
         errors = []
         for msg in replies:
+            src = msg.metadata.src_node_id
             if msg.has_error():
-                errors.append(f"node {msg.metadata.src_node_id}: {msg.error.reason}")
+                errors.append(f"node {src}: {msg.error.reason}")
                 continue
-            m = next(iter(msg.content.metric_records.values()))
-            a = next(iter(msg.content.array_records.values()))
-            pid = int(_number(m, "partition-id"))
-            if pid in ids:
-                errors.append(f"node {msg.metadata.src_node_id}: duplicate partition-id {pid} (update ignored)")
+            try:  # replies are remote input: any malformed field rejects that reply only
+                m = next(iter(msg.content.metric_records.values()))
+                a = next(iter(msg.content.array_records.values()))
+                pid = int(_number(m, "partition-id"))
+                if pid in ids:
+                    errors.append(f"node {src}: duplicate partition-id {pid} (update ignored)")
+                    continue
+                state = a.to_torch_state_dict()
+                size = int(_number(m, "num-examples"))
+                loss = float(_number(m, "train-loss"))
+                hist = _history(m)
+                self.ledger.record(pid, hist)  # privacy was spent even if the update is rejected below
+            except (StopIteration, KeyError, TypeError, ValueError) as err:
+                errors.append(f"node {src}: malformed reply ({type(err).__name__}: {err})")
                 continue
-            states.append(a.to_torch_state_dict())
-            sizes.append(int(_number(m, "num-examples")))
+            states.append(state)
+            sizes.append(size)
             ids.append(pid)
-            losses.append(float(_number(m, "train-loss")))
-            self.ledger.record(pid, _history(m))
+            losses.append(loss)
         for e in errors:
             _log(WARNING, "round %s: client error %s", server_round, e)
-        result = aggregate_updates(self.cfg, self.global_state, states, sizes, ids)
-        for r in result.rejected:
+        error: str | None = None
+        try:
+            result = aggregate_updates(self.cfg, self.global_state, states, sizes, ids)
+            rejected = result.rejected
+            self.global_state = result.state
+        except AggregationError as err:
+            error = f"aggregation failed, global state kept: {err}"
+            rejected = err.rejected
+            _log(WARNING, "round %s: %s", server_round, error)
+        for r in rejected:
             _log(WARNING, "round %s: rejected update of partition %s: %s", server_round, r.client, r.reason)
-        self.global_state = result.state
         good = [x for x in losses if not math.isnan(x)]
         self.records.append(
             {
                 "round": server_round,
                 "clients": sorted(ids),
                 "train_loss": sum(good) / len(good) if good else math.nan,
-                "rejected": [{"client": r.client, "reason": r.reason} for r in result.rejected]
+                "rejected": [{"client": r.client, "reason": r.reason} for r in rejected]
                 + [{"client": None, "reason": e} for e in errors],
                 "max_epsilon": self.ledger.max_epsilon,
+                "error": error,
             }
         )
         metrics = MetricRecord(
-            {"max-epsilon": self.ledger.max_epsilon, "num-rejected": len(result.rejected) + len(errors)}
+            {
+                "max-epsilon": self.ledger.max_epsilon,
+                "num-rejected": len(rejected) + len(errors),
+                "round-failed": int(error is not None),
+            }
         )
-        return ArrayRecord(result.state), metrics
+        return ArrayRecord(self.global_state), metrics
 
 
 def wait_for_nodes(grid: Grid, num_nodes: int, timeout: float = 120.0) -> list[int]:
@@ -315,6 +346,7 @@ def _server_main(grid: Grid, context: Context) -> None:
         build_evaluator,
         build_partition,
         build_task,
+        noise_record,
         sample_clients,
     )
     from peft_lalora.federated.ledger import PrivacyLedger
@@ -323,6 +355,9 @@ def _server_main(grid: Grid, context: Context) -> None:
     t0 = time.perf_counter()
     _set_threads(context)
     cfg = FederationConfig.from_dict(context.run_config)
+    noise = noise_record(cfg)
+    if cfg.reproducible_noise:
+        _log(WARNING, "reproducible-noise is on: %s", noise["note"])
     nodes = wait_for_nodes(grid, cfg.num_clients)
     # The handshake (one extra message round trip, i.e. one ClientApp process per node) is only needed
     # to route a *partial* sample of partitions; with full participation the train replies identify
@@ -353,6 +388,7 @@ def _server_main(grid: Grid, context: Context) -> None:
             train_loss=rec["train_loss"],
             rejected=rec["rejected"],
             max_epsilon=rec["max_epsilon"],
+            error=rec["error"],
         )
         for rec in strategy.records
     ]
@@ -365,6 +401,7 @@ def _server_main(grid: Grid, context: Context) -> None:
         partition=partition.summary(),
         state=strategy.global_state,
         wall_s=time.perf_counter() - t0,
+        noise=noise,
     )
     out = str(context.run_config.get(RESULT_PATH_KEY, "") or "")
     if out:

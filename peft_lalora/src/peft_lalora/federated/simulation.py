@@ -3,8 +3,14 @@
 It uses exactly the client (:class:`~peft_lalora.federated.client.DPClient`), sampling
 (:func:`~peft_lalora.federated.federation.sample_clients`) and aggregation
 (:func:`~peft_lalora.federated.federation.aggregate_updates`) of the Flower app, so both runners give the
-same global adapter for the same configuration. Clients are built once, when first sampled, and keep
-their Opacus engine and accountant for the whole run.
+same global adapter for the same configuration (with ``reproducible_noise``; by default every round's
+noise is fresh OS entropy). Clients are built once, when first sampled, and keep their Opacus engine and
+accountant for the whole run.
+
+A round whose updates are all rejected (fewer than ``min_clients`` valid) does not end the run: the
+global adapter stays as it was, the round's record carries ``error`` and the rejection reasons, and the
+next round starts — as in the Flower app. (An exception raised by a client in this process is a local
+bug and propagates; in Flower it arrives as an error reply and is recorded the same way.)
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .aggregate import AggregationError
 from .federation import (
     FederationConfig,
     aggregate_updates,
@@ -26,6 +33,7 @@ from .federation import (
     build_evaluator,
     build_partition,
     build_task,
+    noise_record,
     sample_clients,
 )
 from .ledger import PrivacyLedger
@@ -44,6 +52,8 @@ class RoundRecord:
     train_loss: float
     rejected: list[dict[str, Any]] = field(default_factory=list)
     max_epsilon: float = 0.0
+    #: why the round produced no new global state (kept the previous one); ``None`` if it aggregated
+    error: str | None = None
 
 
 @dataclass
@@ -58,6 +68,7 @@ class FederationResult:
     partition: dict[str, Any]
     state: dict[str, torch.Tensor]
     wall_s: float = 0.0
+    noise: dict[str, Any] = field(default_factory=dict)  #: :func:`~.federation.noise_record`
 
     @property
     def accuracy(self) -> list[float]:
@@ -74,6 +85,8 @@ class FederationResult:
             "max_epsilon": self.privacy["max_epsilon"],
             "privacy": self.privacy,
             "partition": self.partition,
+            "noise": self.noise,
+            "failed_rounds": [r.round for r in self.rounds if r.error is not None],
             "wall_s": self.wall_s,
         }
 
@@ -125,14 +138,22 @@ def run_simulation(
             updates.append(clients[c].fit(global_state, rnd))
         for u in updates:
             ledger.record(u.client, u.history)
-        result = aggregate_updates(
-            cfg,
-            global_state,
-            [u.state for u in updates],
-            [u.num_examples for u in updates],
-            [u.client for u in updates],
-        )
-        global_state = result.state
+        error: str | None = None
+        try:
+            result = aggregate_updates(
+                cfg,
+                global_state,
+                [u.state for u in updates],
+                [u.num_examples for u in updates],
+                [u.client for u in updates],
+            )
+            global_state = result.state
+            rejected = result.rejected
+        except AggregationError as err:  # keep the previous global state and go on
+            error = f"aggregation failed, global state kept: {err}"
+            rejected = err.rejected
+            if progress:
+                bar.write(f"round {rnd}: {error}")
         metrics = evaluator(global_state)
         rec = RoundRecord(
             round=rnd,
@@ -140,8 +161,9 @@ def run_simulation(
             accuracy=metrics["accuracy"],
             loss=metrics["loss"],
             train_loss=_mean([u.loss for u in updates]),
-            rejected=[{"client": r.client, "reason": r.reason} for r in result.rejected],
+            rejected=[{"client": r.client, "reason": r.reason} for r in rejected],
             max_epsilon=ledger.max_epsilon,
+            error=error,
         )
         records.append(rec)
         bar.set_postfix(acc=f"{rec.accuracy:.3f}", eps=f"{rec.max_epsilon:.2f}")
@@ -156,4 +178,5 @@ def run_simulation(
         partition=partition.summary(),
         state=global_state,
         wall_s=time.perf_counter() - t0,
+        noise=noise_record(cfg),
     )
