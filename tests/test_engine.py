@@ -24,6 +24,37 @@ from opacus_spectral import (
 NM, C = 1.1, 1.0
 
 
+def _private_mlp(post_hooks=None, *, model=None, **kwargs):
+    """A fresh MLP made private by the spectral engine: (engine, wrapped model, DPOptimizer, loader, model)."""
+    torch.manual_seed(0)
+    model = model or mlp(hidden=32, d_out=4)
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, dp_opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM, max_grad_norm=C, post_hooks=post_hooks, **kwargs,
+    )
+    return engine, gsm, dp_opt, dl, model
+
+
+def _hand_built_dp_optimizer():
+    """A GradSampleModule + DPOptimizer built by hand (no PrivacyEngine)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    torch.manual_seed(0)
+    model = GradSampleModule(mlp(hidden=32, d_out=4))
+    dp_opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C,
+                         expected_batch_size=16)
+    return model, dp_opt
+
+
+def _step(gsm, dp_opt, dl):
+    x, y = next(iter(dl))
+    dp_opt.zero_grad()
+    nn.functional.mse_loss(gsm(x), y).backward()
+    dp_opt.step()
+
+
 def _train(engine_cls, *, steps=3, mode="hooks", seed=0, **mp_kwargs):
     """A few DP-SGD steps on an MLP regression task; returns final params, epsilon, engine."""
     torch.manual_seed(seed)
@@ -116,16 +147,8 @@ def test_batch_memory_manager_runs_pipeline_once_per_logical_step():
 
 def test_denoiser_reaches_no_parameter_or_clean_gradient():
     rec = Recorder()
-    torch.manual_seed(0)
-    model = mlp(hidden=32, d_out=4)
-    engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[rec],
-    )
-    x, y = next(iter(dl))
-    nn.functional.mse_loss(gsm(x), y).backward()
-    dp_opt.step()
+    engine, gsm, dp_opt, dl, model = _private_mlp([rec])
+    _step(gsm, dp_opt, dl)
     params = list(model.parameters())
     forbidden = {id(p) for p in params}
     forbidden |= {id(p.summed_grad) for p in params} | {id(p.grad_sample) for p in params}
@@ -180,14 +203,8 @@ class _Bad(Denoiser):
 
 @pytest.mark.parametrize("kind", ["shape", "dtype", "device", "nan", "inplace-nan", "raise"])
 def test_bad_denoiser_output_raises_and_never_updates_weights(kind):
-    torch.manual_seed(0)
-    model = mlp(hidden=32, d_out=4)
-    before = [p.detach().clone() for p in model.parameters()]
-    engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[_Bad(kind)],
-    )
+    engine, gsm, dp_opt, dl, model = _private_mlp([_Bad(kind)])
+    before = [p.detach().clone() for p in model.parameters()]  # make_private does not touch the weights
     x, y = next(iter(dl))
     nn.functional.mse_loss(gsm(x), y).backward()
     with pytest.raises(DenoiserError, match=f"bad-{kind}") as err:
@@ -230,21 +247,13 @@ def test_make_private_with_epsilon_installs_hooks_and_keeps_them_out_of_opacus_k
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
         target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=C, post_hooks=[rec],
     )
-    x, y = next(iter(dl))
-    nn.functional.mse_loss(gsm(x), y).backward()
-    dp_opt.step()
+    _step(gsm, dp_opt, dl)
     assert len(rec.seen) == 1
     assert rec.seen[0][0]["sigma"] == pytest.approx(dp_opt.noise_multiplier * C / 16)
 
 
 def test_install_post_hooks_on_hand_built_optimizer_and_remove():
-    from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
-
-    torch.manual_seed(0)
-    model = GradSampleModule(mlp(hidden=32, d_out=4))
-    dp_opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C,
-                         expected_batch_size=16)
+    model, dp_opt = _hand_built_dp_optimizer()
     rec = Recorder()
     handle = install_post_hooks(dp_opt, [rec], module=model)
     x, y = next(iter(loader(64, 16, d_out=4)))
@@ -271,9 +280,7 @@ def test_second_make_private_replaces_the_pipeline():
     kw = dict(optimizer=opt, data_loader=loader(64, 16, d_out=4), noise_multiplier=NM, max_grad_norm=C)
     gsm, _, _ = engine.make_private(module=model, post_hooks=[r1], **kw)
     gsm, dp_opt, dl = engine.make_private(module=gsm, post_hooks=[r2], **kw)  # same inner optimizer again
-    x, y = next(iter(dl))
-    nn.functional.mse_loss(gsm(x), y).backward()
-    dp_opt.step()
+    _step(gsm, dp_opt, dl)
     assert len(r1.seen) == 0 and len(r2.seen) == 1
 
 
@@ -285,13 +292,7 @@ def test_vanilla_opacus_silently_ignores_post_hooks():
 
 
 def test_eval_mode_gives_clear_error():
-    torch.manual_seed(0)
-    model = mlp(hidden=32, d_out=4)
-    engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[],
-    )
+    engine, gsm, dp_opt, dl, model = _private_mlp([])
     gsm.eval()
     x, y = next(iter(dl))
     with pytest.raises(RuntimeError, match=r"eval mode.*model\.train\(\)"):
@@ -339,21 +340,13 @@ def test_make_private_again_without_post_hooks_drops_the_old_pipeline(same_engin
     gsm, _, _ = first.make_private(module=model, post_hooks=[rec], **kw)
     second = first if same_engine else PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = second.make_private(module=gsm, **kw)  # asks for plain Opacus now
-    x, y = next(iter(dl))
-    nn.functional.mse_loss(gsm(x), y).backward()
-    dp_opt.step()
+    _step(gsm, dp_opt, dl)
     assert rec.seen == [] and second.post_hooks is None
 
 
 def test_stepping_the_inner_optimizer_directly_never_feeds_clean_gradients_to_denoisers():
-    torch.manual_seed(0)
-    model = mlp(hidden=32, d_out=4)
     rec = Recorder()
-    engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[rec],
-    )
+    engine, gsm, dp_opt, dl, model = _private_mlp([rec])
     x, y = next(iter(dl))
     nn.functional.mse_loss(gsm(x), y).backward()
     with pytest.warns(RuntimeWarning, match="without Opacus adding noise"):
@@ -362,15 +355,9 @@ def test_stepping_the_inner_optimizer_directly_never_feeds_clean_gradients_to_de
 
 
 def test_names_without_module_are_stable_under_toggling():
-    from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
-
     from opacus_spectral import set_trainable
 
-    torch.manual_seed(0)
-    model = GradSampleModule(mlp(hidden=32, d_out=4))
-    dp_opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C,
-                         expected_batch_size=16)
+    model, dp_opt = _hand_built_dp_optimizer()
     rec = Recorder()
     install_post_hooks(dp_opt, [rec])  # no module: names come from param-group positions
     x, y = next(iter(loader(64, 16, d_out=4)))
@@ -389,13 +376,7 @@ def test_names_without_module_are_stable_under_toggling():
 
 
 def test_disabled_hooks_in_eval_mode_behave_like_opacus():
-    torch.manual_seed(0)
-    model = mlp(hidden=32, d_out=4)
-    engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[],
-    )
+    engine, gsm, dp_opt, dl, model = _private_mlp([])
     gsm.eval()
     gsm.disable_hooks()
     x, y = next(iter(dl))
