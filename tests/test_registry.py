@@ -3,7 +3,6 @@ the user's order kept, unknown names listed, role plugins consulted."""
 
 from __future__ import annotations
 
-import textwrap
 import warnings
 from pathlib import Path
 
