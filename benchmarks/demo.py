@@ -202,7 +202,7 @@ def check_split_exact(
     sl = slice(0, 8)
     ids, mask = split["input_ids"][sl], split["attention_mask"][sl]
     tt = split.get("token_type_ids", torch.zeros_like(split["input_ids"]))[sl]
-    bert = full.base_model.model.bert if hasattr(full, "base_model") else full.bert
+    bert = full.base_model.model.bert if hasattr(full, "peft_config") else full.bert
     ref = bert(input_ids=ids, attention_mask=mask, token_type_ids=tt).last_hidden_state
     hidden = bottom(ids, mask, tt)
     err = float((ref - top.encode(hidden, mask)).abs().max())

@@ -1,0 +1,313 @@
+"""Regime map for the ``rmt`` denoiser: where does it gate, and does the gated output move toward the clean gradient?
+
+    python benchmarks/regime_map.py                      # all-MiniLM-L6-v2 / Rotten Tomatoes (~15 min, 2 cores)
+    python benchmarks/regime_map.py --model tiny --traj-steps 2 --sweep-steps 1 --batches 16 32 --out /tmp/rm
+    python benchmarks/regime_map.py --replot             # PNG + table from docs/results/regime_map.json
+
+Protocol (issue 6, item 5):
+
+* Model/data: ``benchmarks/_common.py`` (all-MiniLM-L6-v2, packaged Rotten Tomatoes, max_length 48). Only
+  the top ``--top-layers`` encoder layer(s) are trained (LoRA or full weights); the frozen bottom layers are
+  cached (exact, see ``_common.py``). DP-SGD: Opacus, Poisson sampling, C = ``--max-grad-norm``, fixed noise
+  multiplier ``--noise-multiplier`` (so the per-entry noise std is s = nm·C/B), ``post_hooks=["rmt"]``
+  (κ = 1.02, norm correction), ``oracle=True``.
+* For each trainable configuration (``--trainables``: LoRA targets/rank, or ``full`` weights):
+  1. *trajectory*: ``--traj-steps`` DP steps at batch ``--traj-batch`` with ``rmt`` on, recording per step
+     the matrices gated and cos(noisy, clean) / cos(denoised, clean) (global and per matrix);
+  2. *batch sweep* at two points of training — ``init`` (the fresh adapter) and ``warm`` (the trajectory's
+     final weights): for each logical batch size in ``--batches`` (physical batches of at most
+     ``--physical-batch`` through BatchMemoryManager), ``--sweep-steps`` DP steps with learning rate 0, i.e.
+     independent draws of (batch, noise) at the same weights.
+* Reported per cell: gating rate (gated / considered matrices, also for encoder matrices only, i.e. without
+  the 2 × hidden classifier weight), global oracle cosine gain, and the share of gated matrix-steps where
+  cos(denoised, clean) > cos(noisy, clean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+DEFAULT_OUT = C.RESULTS
+
+
+def is_encoder(name: str) -> bool:
+    """A matrix of the encoder layers (LoRA factor or weight), not the classifier head."""
+    return "classifier" not in name
+
+
+def cell_summary(per_step: Sequence[dict[str, Any]], matrices: Sequence[str]) -> dict[str, Any]:
+    """Gating rate (all / encoder matrices), global cosine gain and the gated-gain share over a cell's steps."""
+    gated = sum(e.get("gated", 0) for e in per_step)
+    mats = sum(e.get("matrices", 0) for e in per_step)
+    enc_gated = sum(sum(1 for n in e.get("gated_names", []) if is_encoder(n)) for e in per_step)
+    enc_mats = len(per_step) * sum(1 for n in matrices if is_encoder(n))
+    enc_only = [dict(e, gated_names=[n for n in e.get("gated_names", []) if is_encoder(n)]) for e in per_step]
+    return {
+        "steps": len(per_step),
+        "gated": gated,
+        "matrices": mats,
+        "gating_rate": gated / mats if mats else float("nan"),
+        "encoder_gated": enc_gated,
+        "encoder_matrices": enc_mats,
+        "encoder_gating_rate": enc_gated / enc_mats if enc_mats else float("nan"),
+        "global": C.global_cos_stats(per_step),
+        "gated_gain": C.gated_gain_stats(per_step),
+        "encoder_gated_gain": C.gated_gain_stats(enc_only),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    C.quiet_warnings()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    task = C.load_cached_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
+                              tiny_test=args.tiny_test)
+    result: dict[str, Any] = {
+        "command": "python benchmarks/regime_map.py " + " ".join(args.argv),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "argv"},
+        "data": dict(task.info, train=int(task.train_y.shape[0]), test=int(task.test_y.shape[0])),
+        "versions": C.versions(),
+        "machine": C.machine(),
+        "trainables": {},
+    }
+    path = args.out / "regime_map.json"
+    if args.merge and path.is_file():
+        old = json.loads(path.read_text())
+        result["trainables"] = {k: v for k, v in old["trainables"].items() if k not in args.trainables}
+        oc = old["config"]
+        for v in result["trainables"].values():
+            v.setdefault("run_config", {"command": old["command"], "traj_steps": oc["traj_steps"],
+                                        "traj_batch": oc["traj_batch"], "sweep_steps": oc["sweep_steps"],
+                                        "batches": oc["batches"], "seed": oc["seed"]})
+        result["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
+    for spec in args.trainables:
+        tr = C.Trainable.parse(spec)
+        lr = args.lr_full if tr.kind == "full" else args.lr
+        top = C.build_top(task, tr, args.seed)
+        mats = matrix_names(top)
+        traj = C.run_dp(top, task, ["rmt"], noise_multiplier=args.noise_multiplier, batch_size=args.traj_batch,
+                        steps=args.traj_steps, seed=args.seed, lr=lr, max_grad_norm=args.max_grad_norm,
+                        physical_batch=args.physical_batch, eval_at=[0, args.traj_steps],
+                        desc=f"{tr.label} trajectory")
+        warm_state = {k: v.detach().clone() for k, v in top.state_dict().items()}
+        sweep: dict[str, dict[str, Any]] = {}
+        for phase in ("init", "warm"):
+            sweep[phase] = {}
+            for b in args.batches:
+                cell_top = C.build_top(task, tr, args.seed)
+                if phase == "warm":
+                    cell_top.load_state_dict(warm_state)
+                r = C.run_dp(cell_top, task, ["rmt"], noise_multiplier=args.noise_multiplier, batch_size=b,
+                             steps=args.sweep_steps, seed=args.seed + 1000 + b, lr=0.0,
+                             max_grad_norm=args.max_grad_norm, physical_batch=min(b, args.physical_batch),
+                             desc=f"{tr.label} {phase} B={b}")
+                sweep[phase][str(b)] = {"per_step": r["per_step"], "summary": cell_summary(r["per_step"], mats),
+                                        "seconds": r["train_seconds"]}
+                s = sweep[phase][str(b)]["summary"]
+                print(f"{tr.label:<22} {phase:<5} B={b:<5} gated {s['encoder_gated']}/{s['encoder_matrices']} enc "
+                      f"({s['gated']}/{s['matrices']} all)  cos {s['global']['cos_noisy']:.3f} -> "
+                      f"{s['global']['cos_denoised']:.3f}  gain>0 {s['gated_gain']['positive']}/"
+                      f"{s['gated_gain']['gated_layer_steps']}", flush=True)
+        result["trainables"][spec] = {
+            "label": tr.label,
+            "lr": lr,
+            "run_config": {"command": result["command"], "traj_steps": args.traj_steps, "traj_batch": args.traj_batch,
+                           "sweep_steps": args.sweep_steps, "batches": args.batches, "seed": args.seed},
+            "matrix_names": mats,
+            "trajectory": {"per_step": traj["per_step"], "curve": traj["curve"], "epsilon": traj["epsilon"],
+                           "summary": cell_summary(traj["per_step"], mats), "seconds": traj["train_seconds"]},
+            "sweep": sweep,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        write(result, args.out)  # partial results survive an interrupted run
+    result["wall_seconds"] = time.perf_counter() - t_start
+    result["machine"]["loadavg_end"] = C.machine()["loadavg"]
+    write(result, args.out)
+    return result
+
+
+def matrix_names(top: torch.nn.Module) -> list[str]:
+    """Qualified names of the trainable ≥2-D parameters (the matrices ``rmt`` considers)."""
+    return [n for n, p in top.named_parameters() if p.requires_grad and p.dim() >= 2]
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    (out / "regime_map.json").write_text(json.dumps(result, indent=None, default=float))
+    replot(out / "regime_map.json", out)
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown table: one row per (trainable, phase, batch)."""
+    lines = [
+        "| trainable | phase | B | s = nm·C/B | encoder matrices gated | global cos noisy → denoised | gated matrix-steps with gain > 0 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    nm, c = result["config"]["noise_multiplier"], result["config"]["max_grad_norm"]
+    for spec, t in result["trainables"].items():
+        for phase, cells in t["sweep"].items():
+            for b, cell in cells.items():
+                s = cell["summary"]
+                g = s["encoder_gated_gain"]
+                share = f"{g['positive']}/{g['gated_layer_steps']}" if g["gated_layer_steps"] else "–"
+                lines.append(
+                    f"| {t['label']} | {phase} | {b} | {nm * c / int(b):.2e} | {s['encoder_gated']}/{s['encoder_matrices']}"
+                    f" ({100 * _nz(s['encoder_gating_rate']):.0f} %) | {s['global']['cos_noisy']:.3f} → "
+                    f"{s['global']['cos_denoised']:.3f} ({100 * _nz(s['global']['rel_gain']):+.1f} %) | {share} |"
+                )
+    return "\n".join(lines)
+
+
+def trajectory_table(result: dict[str, Any]) -> str:
+    lines = ["| trainable | steps | acc start → end | encoder gated (first half / second half) | global cos noisy → denoised (2nd half) | gated gain > 0 |",
+             "|---|---|---|---|---|---|"]
+    for spec, t in result["trainables"].items():
+        ps = t["trajectory"]["per_step"]
+        h = len(ps) // 2
+        mats = t["matrix_names"]
+        a, b = cell_summary(ps[:h], mats) if h else None, cell_summary(ps[h:], mats)
+        g = cell_summary(ps, mats)["encoder_gated_gain"]
+        curve = t["trajectory"]["curve"]
+        first = f"{a['encoder_gated']}/{a['encoder_matrices']}" if a else "–"
+        lines.append(
+            f"| {t['label']} | {len(ps)} | {curve[0][1]:.3f} → {curve[-1][1]:.3f} | {first} / "
+            f"{b['encoder_gated']}/{b['encoder_matrices']} | {b['global']['cos_noisy']:.3f} → {b['global']['cos_denoised']:.3f} | "
+            f"{g['positive']}/{g['gated_layer_steps']} |"
+        )
+    return "\n".join(lines)
+
+
+def _nz(x: float) -> float:
+    return 0.0 if not np.isfinite(x) else x
+
+
+def tables(result: dict[str, Any]) -> str:
+    return "#### Batch sweep\n\n" + table(result) + "\n\n#### Trajectory\n\n" + trajectory_table(result) + "\n"
+
+
+def replot(path: Path, out: Path) -> Path:
+    """Regenerate ``regime_map.png`` from the JSON (the tables: :func:`tables`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(Path(path).read_text())
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (spec, t) in enumerate(result["trainables"].items()):
+        col = colors[i % len(colors)]
+        for phase, ls in (("init", "-"), ("warm", "--")):
+            cells = t["sweep"].get(phase, {})
+            bs = [int(b) for b in cells]
+            if not bs:
+                continue
+            rate = [_nz(cells[str(b)]["summary"]["encoder_gating_rate"]) * 100 for b in bs]
+            gain = [_nz(cells[str(b)]["summary"]["global"]["rel_gain"]) * 100 for b in bs]
+            axes[0, 0].plot(bs, rate, ls, marker="o", color=col, label=f"{t['label']} ({phase})")
+            axes[0, 1].plot(bs, gain, ls, marker="o", color=col, label=f"{t['label']} ({phase})")
+        ps = t["trajectory"]["per_step"]
+        steps = [e["step"] for e in ps]
+        enc = [sum(1 for n in e.get("gated_names", []) if is_encoder(n)) for e in ps]
+        n_enc = max(1, sum(1 for n in t["matrix_names"] if is_encoder(n)))
+        axes[1, 0].plot(steps, [100 * g / n_enc for g in enc], color=col, label=t["label"])
+        cg = np.array([e["cos_global"] for e in ps])
+        if cg.size:
+            axes[1, 1].plot(steps, cg[:, 0], ":", color=col)
+            axes[1, 1].plot(steps, cg[:, 1], "-", color=col, label=f"{t['label']}")
+    cfg = result["config"]
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("logical batch size B")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("encoder matrices gated (%)")
+    axes[0, 0].set_title("gating rate (solid: init, dashed: after trajectory)", fontsize=9)
+    axes[0, 1].set_ylabel("global cos gain, relative (%)")
+    axes[0, 1].set_title("cos(denoised, clean) vs cos(noisy, clean)", fontsize=9)
+    axes[0, 1].axhline(0, color="k", lw=0.5)
+    axes[1, 0].set_xlabel(f"DP step (B = {cfg['traj_batch']})")
+    axes[1, 0].set_ylabel("encoder matrices gated (%)")
+    axes[1, 0].set_title("trajectory: gating over training", fontsize=9)
+    axes[1, 1].set_xlabel(f"DP step (B = {cfg['traj_batch']})")
+    axes[1, 1].set_ylabel("global cosine to clean gradient")
+    axes[1, 1].set_title("trajectory: dotted = noisy, solid = denoised", fontsize=9)
+    for ax in axes[1]:
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=6)
+    axes[1, 1].legend(fontsize=6)
+    fig.suptitle(f"RMT regime map: {result['data'].get('model')} / top {cfg['top_layers']} layer(s), "
+                 f"nm = {cfg['noise_multiplier']}, C = {cfg['max_grad_norm']}, max_length {cfg['max_length']}",
+                 fontsize=10)
+    fig.tight_layout()
+    png = out / "regime_map.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=("minilm", "tiny"), default="minilm")
+    p.add_argument("--max-length", type=int, default=48)
+    p.add_argument("--top-layers", type=int, default=1, help="trained top encoder layers (the rest is cached)")
+    p.add_argument("--trainables", nargs="+", default=["lora:qv:8", "lora:qkvoid:16", "lora:qkvoid:64", "full"],
+                   help="'lora:<targets>:<rank>' (targets from q,k,v,o,i,d) or 'full'")
+    p.add_argument("--batches", nargs="+", type=int, default=[64, 256, 1024, 2048])
+    p.add_argument("--traj-batch", type=int, default=256)
+    p.add_argument("--traj-steps", type=int, default=30)
+    p.add_argument("--sweep-steps", type=int, default=3)
+    p.add_argument("--physical-batch", type=int, default=256)
+    p.add_argument("--noise-multiplier", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW lr of the LoRA trajectories")
+    p.add_argument("--lr-full", type=float, default=5e-4, help="AdamW lr of the full-weight trajectory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny-train", type=int, default=256)
+    p.add_argument("--tiny-test", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other trainables already in <out>/regime_map.json (each keeps its run_config)")
+    p.add_argument("--replot", action="store_true", help="only regenerate PNG/tables from <out>/regime_map.json")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if min(args.batches) < 1 or args.traj_steps < 1 or args.sweep_steps < 1:
+        p.error("batches and step counts must be >= 1")
+    for spec in args.trainables:
+        try:
+            C.Trainable.parse(spec)
+        except ValueError as err:
+            p.error(str(err))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
+    args = parse_args(argv)
+    if args.replot:
+        png = replot(args.out / "regime_map.json", args.out)
+        print(tables(json.loads((args.out / "regime_map.json").read_text())))
+        return png
+    result = run(args)
+    print("\n" + tables(result))
+    print(f"wall {result['wall_seconds']:.0f}s; wrote {args.out / 'regime_map.json'}, {args.out / 'regime_map.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

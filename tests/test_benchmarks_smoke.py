@@ -1,0 +1,118 @@
+"""2-step smoke runs of benchmarks/regime_map.py and benchmarks/centralized.py on the tiny model, plus their math."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+pytest.importorskip("datasets")
+import _common as C  # noqa: E402
+import centralized  # noqa: E402
+import regime_map  # noqa: E402
+
+
+def test_crossing_step_interpolates_between_checkpoints() -> None:
+    curve = [(0, 0.5), (10, 0.6), (20, 0.8)]
+    assert centralized.crossing_step(curve, 0.7) == pytest.approx(15.0)
+    assert centralized.crossing_step(curve, 0.6) == pytest.approx(10.0)
+    assert centralized.crossing_step(curve, 0.45) == 0.0
+    assert centralized.crossing_step(curve, 0.81) is None
+
+
+def test_eps_at_accuracy_log_interpolation_and_range() -> None:
+    pts = [(1.0, 0.6), (4.0, 0.7), (16.0, 0.8)]
+    eps, flag = centralized.eps_at_accuracy(pts, 0.65)
+    assert flag == "" and eps == pytest.approx(2.0)  # halfway in log ε between 1 and 4
+    assert centralized.eps_at_accuracy(pts, 0.75)[0] == pytest.approx(8.0)
+    assert centralized.eps_at_accuracy(pts, 0.9) == (None, ">16")
+    assert centralized.eps_at_accuracy(pts, 0.5) == (None, "<1")
+    # a non-monotone baseline curve is made monotone (running max) before inverting
+    assert centralized.eps_at_accuracy([(1.0, 0.6), (2.0, 0.55), (4.0, 0.7)], 0.65)[0] == pytest.approx(math.sqrt(8))
+
+
+def test_gated_gain_stats_counts_only_gated_finite_entries() -> None:
+    steps = [
+        {"gated_names": ["a", "b"], "cos": {"a": [0.1, 0.2], "b": [0.3, 0.2], "c": [0.0, 1.0]}},
+        {"gated_names": ["a"], "cos": {"a": [float("nan"), 0.1]}},
+    ]
+    s = C.gated_gain_stats(steps)
+    assert (s["gated_layer_steps"], s["positive"]) == (2, 1)
+    assert s["mean_gain"] == pytest.approx(0.0)
+
+
+def test_method_hooks_and_plan() -> None:
+    assert centralized.method_hooks("dp-lora") == []
+    assert centralized.method_hooks("rmt+doppler") == ["rmt", "doppler"]
+    args = centralized.parse_args(["--seeds", "0", "1", "--epsilons", "3", "8", "--baseline-epsilons", "8", "16",
+                                   "--methods", "dp-lora", "rmt", "doppler", "--doppler-epsilons", "3"])
+    plan = centralized.planned_runs(args)
+    assert plan[:5] == [("dp-lora", 3.0, 0), ("rmt", 3.0, 0), ("doppler", 3.0, 0), ("dp-lora", 8.0, 0), ("rmt", 8.0, 0)]
+    assert ("doppler", 8.0, 0) not in plan and ("dp-lora", 16.0, 1) in plan and len(plan) == 12
+    args.order = "priority"
+    prio = centralized.planned_runs(args)
+    assert sorted(prio) == sorted(plan)
+    assert prio[:8] == [(m, e, s) for s in (0, 1) for e in (3.0, 8.0) for m in ("dp-lora", "rmt")]
+    assert prio[8:10] == [("dp-lora", 16.0, 0), ("dp-lora", 16.0, 1)] and prio[10:] == [("doppler", 3.0, 0), ("doppler", 3.0, 1)]
+
+
+def test_trainable_spec_parsing() -> None:
+    assert C.Trainable.parse("lora:qkv:16") == C.Trainable("lora", "qkv", 16)
+    assert C.Trainable.parse("full").kind == "full"
+    with pytest.raises(ValueError):
+        C.Trainable.parse("lora:qx:8")
+
+
+def test_regime_map_smoke(tmp_path: Path) -> None:
+    res = regime_map.main(["--model", "tiny", "--trainables", "lora:qv:4", "--batches", "16", "--traj-steps", "2",
+                           "--sweep-steps", "1", "--out", str(tmp_path), "--threads", "1"])
+    data = json.loads((tmp_path / "regime_map.json").read_text())
+    t = data["trainables"]["lora:qv:4"]
+    assert len(t["trajectory"]["per_step"]) == 2
+    # top layer only (--top-layers 1): (q, v) x (A, B) LoRA factors + the classifier weight
+    assert len(t["matrix_names"]) == 5
+    cell = t["sweep"]["warm"]["16"]
+    assert cell["summary"]["encoder_matrices"] == 4 and cell["per_step"][0]["matrices"] == 5
+    assert all(-1.0 <= c <= 1.0 for e in t["trajectory"]["per_step"] for c in e["cos_global"])
+    assert data["versions"]["torch"] and data["config"]["noise_multiplier"] == 1.0
+    assert (tmp_path / "regime_map.png").stat().st_size > 0
+    assert regime_map.main(["--replot", "--out", str(tmp_path)]) == tmp_path / "regime_map.png"
+    assert res["trainables"]["lora:qv:4"]["sweep"]["init"]["16"]["per_step"][0]["sigma"] == pytest.approx(1.0 / 16)
+
+
+def test_centralized_smoke(tmp_path: Path) -> None:
+    argv = ["--model", "tiny", "--steps", "2", "--eval-every", "1", "--seeds", "0", "--epsilons", "3",
+            "--baseline-epsilons", "6", "--methods", "dp-lora", "rmt", "--out", str(tmp_path), "--threads", "1"]
+    res = centralized.main(argv)
+    runs = res["runs"]
+    assert set(runs) == {"dp-lora|3|0", "rmt|3|0", "dp-lora|6|0"}
+    for r in runs.values():
+        assert r["epsilon"] == pytest.approx(r["target_epsilon"], rel=0.02)
+        assert [s for s, _ in r["curve"]] == [0, 1, 2]
+    # no denoiser: the "denoised" gradient is the noisy one
+    assert all(e["cos_global"][0] == e["cos_global"][1] for e in runs["dp-lora|3|0"]["per_step"])
+    assert all("gated" in e for e in runs["rmt|3|0"]["per_step"])
+    # same seed: same initial accuracy and same noise level in both arms
+    assert runs["rmt|3|0"]["curve"][0] == runs["dp-lora|3|0"]["curve"][0]
+    assert runs["rmt|3|0"]["noise_multiplier"] == runs["dp-lora|3|0"]["noise_multiplier"]
+    an = res["analysis"]
+    assert set(an["_baseline_eps_curve"]) == {"3", "6"}
+    assert "rmt|3" in an and an["rmt|3"]["n_with_baseline"] == 1
+    assert "| 3 | rmt |" in centralized.tables(res)
+    # --resume keeps finished runs (nothing left to run)
+    again = centralized.main(argv + ["--resume"])
+    assert again["runs"]["rmt|3|0"]["per_step"] == json.loads(json.dumps(runs["rmt|3|0"]["per_step"]))
+    assert centralized.main(["--replot", "--out", str(tmp_path)]) == tmp_path / "centralized.png"
+
+
+def test_mean_curve_and_speedup_on_mean_curves() -> None:
+    runs = [{"curve": [(0, 0.5), (10, 0.7), (20, 0.8)]}, {"curve": [(0, 0.5), (10, 0.5), (20, 0.8)]}]
+    mc = centralized._mean_curve(runs)
+    assert mc == [(0, 0.5), (10, pytest.approx(0.6)), (20, pytest.approx(0.8))]
+    assert centralized.crossing_step(mc, 0.7) == pytest.approx(15.0)
