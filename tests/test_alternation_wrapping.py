@@ -63,8 +63,9 @@ def test_toggling_factors_trains_only_active_factor(mode, wrap_model):
 
 
 def test_ghost_norms_ignore_frozen_factor():
-    """Clipping must see only the active factor: with a tiny C, the active factor's clipped per-sample grads
-    sum to at most B*C in norm; with stale frozen norms included the factor would be shrunk further."""
+    """Ghost clipping must build per-example norms from the factor trainable *now*. A factor frozen with a plain
+    requires_grad_(False) still carries its per-sample norms from the previous step; including them (upstream
+    behaviour) would clip the active factor with the wrong norms."""
     torch.manual_seed(0)
     model = _lora_model()
     a, b = _factors(model)
@@ -78,15 +79,26 @@ def test_ghost_norms_ignore_frozen_factor():
     dp_opt.zero_grad()
     crit(gsm(x).logits, y).backward()
     dp_opt.step()  # both factors: stores _norm_sample on A and B
-    set_trainable(a, False)
+    for p in a:
+        p.requires_grad_(False)  # plain freeze: A keeps its stale norms ...
+        p._norm_sample = torch.full_like(p._norm_sample, 10.0)  # ... made large, so including them would show
     dp_opt.zero_grad()
     crit(gsm(x).logits, y).backward()
+    stale = [p._norm_sample for p in a]
+    active = [p._norm_sample for p in gsm.trainable_parameters if p.requires_grad]
     norms = gsm.get_norm_sample()
-    expected = torch.stack(
-        [p._norm_sample for p in gsm.trainable_parameters if p.requires_grad]
-    ).norm(2, dim=0)
-    assert torch.allclose(norms, expected)
-    assert all(p._norm_sample is None for p in a)  # stale norms were dropped when A was frozen
+    assert torch.allclose(norms, torch.stack(active).norm(2, dim=0))
+    assert (torch.stack(active + stale).norm(2, dim=0) > 10).all() and (norms < 5).all()
+
+
+def test_set_trainable_drops_stale_norms():
+    torch.manual_seed(0)
+    model = _lora_model()
+    a, _ = _factors(model)
+    for p in a:
+        p._norm_sample = torch.ones(4)
+    set_trainable(a, False)
+    assert all(p._norm_sample is None and p.grad is None and not p.requires_grad for p in a)
 
 
 def test_per_layer_clipping_with_toggling_is_refused():
