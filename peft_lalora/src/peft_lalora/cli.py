@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--n-train", type=int, default=512, help="training examples (minilm-rt: subsample, 0 = all)")
     f.add_argument("--n-test", type=int, default=256, help="test examples (minilm-rt: subsample, 0 = all)")
     f.add_argument("--seq-len", type=int, default=0, help="tokens per example (0: tiny 16, minilm-rt 64)")
+    f.add_argument(
+        "--frozen-layers",
+        type=int,
+        default=0,
+        help="bottom encoder layers frozen without adapter and computed once per example (exact speed-up; "
+        "LoRA goes on the layers above)",
+    )
     f.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
     f.add_argument("--threads", type=int, default=0, help="torch threads per process (0: leave default)")
     f.add_argument("--timeout", type=float, default=3600.0, help="flower runner: seconds before giving up")
@@ -114,6 +121,7 @@ def _config(args: argparse.Namespace) -> Any:
         n_train=args.n_train,
         n_test=args.n_test,
         seq_len=args.seq_len,
+        frozen_layers=args.frozen_layers,
     )
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "ClientUpdate",
     "DPClient",
     "Evaluator",
+    "NamedInputsLoss",
     "REPRODUCIBLE_NOISE_NOTE",
     "ReplayedRoundError",
     "ReproducibleNoiseWarning",
@@ -129,6 +130,22 @@ def sequence_classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor
     else:
         raise ValueError(f"expected a batch of 3 or 4 tensors, got {len(batch)}")
     return nn.functional.cross_entropy(logits, labels)
+
+
+@dataclass(frozen=True)
+class NamedInputsLoss:
+    """``loss_fn`` for a batch ``(*inputs, labels)`` whose inputs are passed by keyword ``input_names``
+    (e.g. ``("inputs_embeds", "attention_mask")`` for a frozen-bottom :class:`~peft_lalora.data.frozen.BertTop`):
+    mean cross-entropy of ``model(**inputs).logits``."""
+
+    input_names: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        *inputs, labels = batch
+        if len(inputs) != len(self.input_names):
+            raise ValueError(f"expected {len(self.input_names)} inputs {self.input_names} + labels, got {len(batch)} tensors")
+        logits = model(**dict(zip(self.input_names, inputs, strict=True))).logits
+        return nn.functional.cross_entropy(logits, labels)
 
 
 @dataclass
@@ -458,9 +475,12 @@ class Evaluator:
         *,
         batch_size: int = 256,
         device: str = "cpu",
+        input_names: Sequence[str] | None = None,
     ) -> None:
         from peft import PeftModel, get_peft_model
 
+        #: keyword names of the batch's input tensors (default: input_ids, attention_mask[, token_type_ids])
+        self.input_names = None if input_names is None else tuple(input_names)
         self.model = model if isinstance(model, PeftModel) else get_peft_model(model, peft_config)
         self.device = torch.device(device)
         self.model.to(self.device).eval()
@@ -482,7 +502,7 @@ class Evaluator:
         for batch in self.loader:
             batch = [t.to(self.device) for t in batch]
             *inputs, labels = batch
-            keys = ("input_ids", "attention_mask", "token_type_ids")[: len(inputs)]
+            keys = self.input_names or ("input_ids", "attention_mask", "token_type_ids")[: len(inputs)]
             logits = self.model(**dict(zip(keys, inputs, strict=True))).logits
             correct += (logits.argmax(-1) == labels).sum()
             loss += nn.functional.cross_entropy(logits.double(), labels, reduction="sum")

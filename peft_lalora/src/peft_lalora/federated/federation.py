@@ -112,6 +112,12 @@ class FederationConfig:
     n_test: int = 256
     seq_len: int = 0  #: tokens per example; 0 = task default (tiny 16, minilm-rt 64)
     num_labels: int = 2  #: tiny only (Rotten Tomatoes has 2)
+    #: bottom encoder layers frozen (no adapter) and computed once per example (0 = train the full model);
+    #: LoRA then sits in the top layers only (see :mod:`peft_lalora.data.frozen`)
+    frozen_layers: int = 0
+    #: sentence representation fed to the head: "cls" (BertForSequenceClassification's pooler on [CLS]) or
+    #: "mean" (attention-masked mean of the last hidden states, as sentence-transformers; needs frozen_layers)
+    pooling: str = "cls"
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -129,6 +135,15 @@ class FederationConfig:
         for name in ("num_clients", "rounds", "local_steps", "batch_size", "min_clients", "rank"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.frozen_layers) < 0:
+            raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
+        if self.pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling must be 'cls' or 'mean', got {self.pooling!r}")
+        if self.pooling == "mean" and int(self.frozen_layers) < 1:
+            raise ValueError(
+                "pooling='mean' is implemented by the frozen-bottom model only: set frozen_layers >= 1 "
+                "(BertForSequenceClassification itself pools with [CLS])"
+            )
         if self.min_clients > self.num_clients:
             raise ValueError(f"min_clients={self.min_clients} > num_clients={self.num_clients}")
 
@@ -143,6 +158,11 @@ class FederationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def task_key(self) -> dict[str, Any]:
+        """The fields that define the task's data and base model (what :func:`build_task` reads)."""
+        keys = ("task", "seed", "n_train", "n_test", "seq_len", "num_labels", "frozen_layers", "pooling")
+        return {k: getattr(self, k) for k in keys}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FederationConfig:
@@ -197,10 +217,18 @@ class Task:
     model_seed: int
     config: FederationConfig
     group_column: str | None = None
+    #: with ``config.frozen_layers = k > 0``: hidden states after layer ``k - 1`` of every train/test row
+    #: (``{"train": tensor, "test": tensor}``); the model is then :class:`~peft_lalora.data.frozen.BertTop`
+    hidden: dict[str, torch.Tensor] | None = None
 
-    def model(self) -> torch.nn.Module:
-        """A fresh base model in train mode; identical weights on every call (clients, server and evaluator
-        must agree), without touching the caller's RNG state."""
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Keyword names of the model inputs, in the order of :meth:`tensors` (the label comes last)."""
+        return tuple(c for c in self.columns if c != "label")
+
+    def full_model(self) -> torch.nn.Module:
+        """A fresh full base model in train mode; identical weights on every call (clients, server and
+        evaluator must agree), without touching the caller's RNG state."""
         with torch.random.fork_rng(devices=[]):
             if self.name == "tiny":
                 from ..data import tiny_bert
@@ -212,6 +240,33 @@ class Task:
                 model, _ = load_minilm(num_labels=self.num_labels, seed=self.model_seed)
                 return model.train()
         raise ValueError(f"unknown task {self.name!r}")  # pragma: no cover
+
+    def model(self) -> torch.nn.Module:
+        """The model the adapter is put on: the full model, or its top (``BertTop``) when layers are frozen."""
+        model = self.full_model()
+        k = int(self.config.frozen_layers)
+        if k > 0:
+            from ..data.frozen import BertTop
+
+            return BertTop(model, k, pooling=self.config.pooling).train()
+        return model
+
+    def tensors(self, split: str, indices: Sequence[int] | np.ndarray | None = None) -> torch.utils.data.TensorDataset:
+        """``TensorDataset`` of the model inputs (:attr:`input_names`) and the label for ``split``
+        (``"train"`` / ``"test"``), restricted to ``indices`` (rows of that split) if given."""
+        ds = self.train if split == "train" else self.test
+        if self.hidden is None:
+            if indices is not None:
+                ds = ds.select([int(i) for i in indices])
+            return to_tensor_dataset(ds, self.columns)
+        plain = ds.with_format(None)
+        cols = {"inputs_embeds": self.hidden[split]}
+        for c in ("attention_mask", "label"):
+            cols[c] = torch.as_tensor(np.asarray(plain[c]))
+        if indices is not None:
+            ix = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+            cols = {c: t[ix] for c, t in cols.items()}
+        return torch.utils.data.TensorDataset(*[cols[c] for c in self.columns])
 
 
 def to_tensor_dataset(dataset: Any, columns: Sequence[str]) -> torch.utils.data.TensorDataset:
@@ -229,9 +284,33 @@ def _subsample(dataset: Any, n: int, seed: int) -> Any:
     return dataset.select(keep.tolist())
 
 
-def build_task(cfg: FederationConfig) -> Task:
+def build_task(cfg: FederationConfig, *, progress: bool = False) -> Task:
     """The task named by ``cfg.task``: ``"tiny"`` (tiny random BERT on generated trigger-token data) or
-    ``"minilm-rt"`` (all-MiniLM-L6-v2 on Rotten Tomatoes, packaged copies, no network)."""
+    ``"minilm-rt"`` (all-MiniLM-L6-v2 on Rotten Tomatoes, packaged copies, no network).
+
+    With ``cfg.frozen_layers = k > 0`` the hidden states after layer ``k - 1`` of every train and test
+    example are computed here, once (``progress``: a tqdm bar), and the task's inputs become
+    ``(inputs_embeds, attention_mask)``."""
+    task = _build_raw_task(cfg)
+    k = int(cfg.frozen_layers)
+    if k <= 0:
+        return task
+    from ..data.frozen import encode_bottom
+
+    full = task.full_model()
+    hidden = {}
+    for split in ("train", "test"):
+        t = task.tensors(split)
+        cols = dict(zip(task.columns, t.tensors, strict=True))
+        hidden[split] = encode_bottom(
+            full, k, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids"), progress=progress
+        )
+    task.hidden = hidden
+    task.columns = ("inputs_embeds", "attention_mask", "label")
+    return task
+
+
+def _build_raw_task(cfg: FederationConfig) -> Task:
     cols: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids", "label")
     if cfg.task == "tiny":
         from ..data import synthetic_text_task
@@ -297,17 +376,25 @@ def build_partition(cfg: FederationConfig, task: Task) -> Any:
 
 def build_client(cfg: FederationConfig, task: Task, partition: Any, client_id: int) -> Any:
     """The :class:`~peft_lalora.federated.client.DPClient` for partition ``client_id``."""
-    from .client import DPClient
+    from .client import DPClient, NamedInputsLoss
 
-    data = to_tensor_dataset(partition.client_dataset(task.train, client_id), task.columns)
-    return DPClient(client_id, make_peft_model(cfg, task), None, data, cfg.client_config(), seed=cfg.seed)
+    data = task.tensors("train", partition.indices[client_id])
+    return DPClient(
+        client_id,
+        make_peft_model(cfg, task),
+        None,
+        data,
+        cfg.client_config(),
+        seed=cfg.seed,
+        loss_fn=NamedInputsLoss(task.input_names),
+    )
 
 
 def build_evaluator(cfg: FederationConfig, task: Task) -> Any:
     """Server-side evaluator; its freshly built adapter is the initial global state."""
     from .client import Evaluator
 
-    return Evaluator(make_peft_model(cfg, task), None, to_tensor_dataset(task.test, task.columns))
+    return Evaluator(make_peft_model(cfg, task), None, task.tensors("test"), input_names=task.input_names)
 
 
 def noise_record(cfg: FederationConfig) -> dict[str, Any]:

@@ -130,13 +130,20 @@ class PrivacyLedger:
         return dict(self._clients)
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready summary: δ, accountant, max ε, and per client ε / steps / rounds."""
+        """JSON-ready summary: δ, accountant, max ε, and per client ε / steps / rounds / the distinct noise
+        multipliers σ and sample rates q its history holds."""
         return {
             "delta": self.delta,
             "accountant": self.accountant,
             "max_epsilon": self.max_epsilon,
             "clients": {
-                str(c): {"epsilon": info.epsilon, "steps": info.steps, "rounds": info.rounds}
+                str(c): {
+                    "epsilon": info.epsilon,
+                    "steps": info.steps,
+                    "rounds": info.rounds,
+                    "noise_multipliers": sorted({h[0] for h in info.history}),
+                    "sample_rates": sorted({h[1] for h in info.history}),
+                }
                 for c, info in sorted(self._clients.items(), key=lambda kv: str(kv[0]))
             },
         }

@@ -28,6 +28,7 @@ import torch
 from .aggregate import AggregationError
 from .federation import (
     FederationConfig,
+    Task,
     aggregate_updates,
     build_client,
     build_evaluator,
@@ -107,6 +108,7 @@ def run_simulation(
     *,
     progress: bool = True,
     on_round: Callable[[RoundRecord, Mapping[str, torch.Tensor]], None] | None = None,
+    task: Task | None = None,
 ) -> FederationResult:
     """Run ``cfg.rounds`` rounds of DP federated LA-LoRA in this process.
 
@@ -114,11 +116,20 @@ def run_simulation(
         cfg: the experiment.
         progress: show a tqdm bar (accuracy and max ε in the postfix).
         on_round: called after every round with its record and the new global state.
+        task: a task already built by :func:`build_task` for a config with the same
+            :meth:`~FederationConfig.task_key` (reused across runs, e.g. a grid that differs only in the
+            algorithm: the data, tokenization and frozen-layer cache are computed once). Read-only here.
     """
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    task = build_task(cfg)
+    if task is None:
+        task = build_task(cfg, progress=progress)
+    elif task.config.task_key() != cfg.task_key():
+        raise ValueError(
+            f"task was built for {task.config.task_key()}, but this run needs {cfg.task_key()}: build it with "
+            "build_task(cfg)"
+        )
     partition = build_partition(cfg, task)
     evaluator = build_evaluator(cfg, task)
     global_state = evaluator.initial_state()

@@ -1,0 +1,310 @@
+"""Federated benchmark (LA-LoRA paper): DP-LoRA, FFA-LoRA, RoLoRA, LA-LoRA without and with its low-pass filter.
+
+Every method runs the same federation through :func:`peft_lalora.federated.run_simulation` — same clients,
+non-IID partition, rounds, local steps, Poisson batch size, optimizer, learning rate and per-client (ε, δ)
+(σ calibrated by Opacus's accountant for rounds × local_steps steps) — at each ε and seed. The four LoRA
+schemes are four values of ``LALoraConfig.alternation``; "la-lora+binomial5" adds the paper's
+``[1,4,6,4,1]/16`` post-noise filter (post-processing, no privacy cost).
+
+Task (``--model minilm-rt``): all-MiniLM-L6-v2 on packaged Rotten Tomatoes (offline), the bottom
+``--frozen-layers`` encoder layers frozen and computed once per seed (``FederationConfig.frozen_layers``,
+exact: ``peft_lalora.data.frozen``), LoRA on query/value of the layers above plus the classifier head.
+The data split, partition and adapter initialisation follow the seed; ``--reproducible-noise`` (default on
+here) seeds the DP noise from (seed, client, round) so that every number can be regenerated exactly — an
+experiment setting, not a deployment one (see docs/federated.md).
+
+Writes ``docs/results/federated.json`` (config, versions, machine, raw per-round curves of every run, the
+summary) after every run — a rerun with ``--resume`` skips the runs already there — and
+``docs/results/federated.png`` (accuracy vs round, mean ± std over seeds, one panel per ε).
+
+    python benchmarks/federated.py                      # the full grid (see docs/results.md for its wall time)
+    python benchmarks/federated.py --replot             # redraw the PNG and print the tables from the JSON
+    python benchmarks/federated.py --smoke --out /tmp/f.json   # tiny model, 2 rounds: checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _common as C  # noqa: E402
+
+#: method name -> (algo, filter)
+METHODS: dict[str, tuple[str, str]] = {
+    "dp-lora": ("dp-lora", "none"),
+    "ffa-lora": ("ffa-lora", "none"),
+    "rolora": ("rolora", "none"),
+    "la-lora-nofilter": ("la-lora", "none"),
+    "la-lora": ("la-lora", "binomial5"),
+}
+LABELS = {
+    "dp-lora": "DP-LoRA",
+    "ffa-lora": "FFA-LoRA",
+    "rolora": "RoLoRA",
+    "la-lora-nofilter": "LA-LoRA w/o filter",
+    "la-lora": "LA-LoRA (binomial5 filter)",
+}
+
+
+def base_config(args: argparse.Namespace, seed: int, epsilon: float, method: str) -> Any:
+    from peft_lalora.federated import FederationConfig
+
+    algo, filt = METHODS[method]
+    return FederationConfig(
+        task=args.model,
+        algo=algo,
+        filter=filt,
+        num_clients=args.clients,
+        partition=args.partition,
+        alpha=args.alpha,
+        rounds=args.rounds,
+        local_steps=args.local_steps,
+        fraction=args.fraction,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        max_grad_norm=args.max_grad_norm,
+        epsilon=epsilon,
+        delta=args.delta,
+        rank=args.rank,
+        lora_alpha=args.lora_alpha,
+        seed=seed,
+        reproducible_noise=args.reproducible_noise,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        seq_len=args.seq_len,
+        frozen_layers=args.frozen_layers,
+        pooling=args.pooling,
+    )
+
+
+def run_key(method: str, epsilon: float, seed: int) -> str:
+    return f"{method}|eps={epsilon:g}|seed={seed}"
+
+
+def run_record(method: str, epsilon: float, seed: int, res: Any) -> dict[str, Any]:
+    """The raw record of one run: per-round curves, privacy spent, wall time."""
+    out = res.to_json()
+    return {
+        "method": method,
+        "epsilon": epsilon,
+        "seed": seed,
+        "accuracy": out["accuracy"],
+        "test_loss": [res.initial["loss"], *(r.loss for r in res.rounds)],
+        "train_loss": [r.train_loss for r in res.rounds],
+        "max_epsilon": out["max_epsilon"],
+        "client_epsilon": out["epsilon"],
+        "noise_multipliers": {c: v["noise_multipliers"] for c, v in out["privacy"]["clients"].items()},
+        "sample_rates": {c: v["sample_rates"] for c, v in out["privacy"]["clients"].items()},
+        "failed_rounds": out["failed_rounds"],
+        "partition": out["partition"],
+        "wall_s": out["wall_s"],
+    }
+
+
+def last_k_mean(acc: Sequence[float], k: int) -> float:
+    """Mean test accuracy over the last ``k`` rounds (smooths round-to-round FedAvg oscillation)."""
+    tail = [a for a in acc[1:][-k:] if math.isfinite(a)]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def summarize(runs: Sequence[dict[str, Any]], methods: Sequence[str], epsilons: Sequence[float]) -> dict[str, Any]:
+    """Per (ε, method): final and last-3-rounds accuracy, mean ± std over seeds; and the paper's two
+    comparisons at each ε (LA-LoRA − DP-LoRA, LA-LoRA − best of FFA-LoRA/RoLoRA), from seed means."""
+    table: dict[str, Any] = {}
+    for eps in epsilons:
+        row: dict[str, Any] = {}
+        for m in methods:
+            rs = [r for r in runs if r["method"] == m and r["epsilon"] == eps]
+            if not rs:
+                continue
+            row[m] = {
+                "seeds": sorted(r["seed"] for r in rs),
+                "final": C.mean_std([r["accuracy"][-1] for r in rs]),
+                "last3": C.mean_std([last_k_mean(r["accuracy"], 3) for r in rs]),
+                "max_epsilon": max(r["max_epsilon"] for r in rs),
+                "wall_s": C.mean_std([r["wall_s"] for r in rs]),
+            }
+        cmp: dict[str, Any] = {}
+        if "la-lora" in row:
+            la = row["la-lora"]["final"][0]
+            if "dp-lora" in row:
+                cmp["la_minus_dp_lora"] = la - row["dp-lora"]["final"][0]
+            rivals = [row[m]["final"][0] for m in ("ffa-lora", "rolora") if m in row]
+            if rivals:
+                cmp["la_minus_best_ffa_rolora"] = la - max(rivals)
+            if "la-lora-nofilter" in row:
+                cmp["filter_gain"] = la - row["la-lora-nofilter"]["final"][0]
+        table[f"{eps:g}"] = {"methods": row, "comparisons": cmp}
+    return table
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    epsilons = result["config"]["epsilons"]
+    fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 4), squeeze=False, sharey=True)
+    for ax, eps in zip(axes[0], epsilons, strict=True):
+        for m in result["config"]["methods"]:
+            curves = [r["accuracy"] for r in result["runs"] if r["method"] == m and r["epsilon"] == eps]
+            if not curves:
+                continue
+            a = np.asarray(curves, dtype=float)
+            mu, sd = a.mean(0), a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1])
+            x = np.arange(a.shape[1])
+            ax.plot(x, mu, label=f"{LABELS[m]} (n={len(a)})")
+            ax.fill_between(x, mu - sd, mu + sd, alpha=0.15)
+        ax.set_title(f"ε = {eps:g} per client, δ = {result['config']['delta']:g}")
+        ax.set_xlabel("federated round")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy (global adapter)")
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    cfg = result["config"]
+    fig.suptitle(
+        f"{cfg['model']}: {cfg['clients']} clients, {cfg['partition']} α={cfg['alpha']}, {cfg['rounds']} rounds × "
+        f"{cfg['local_steps']} local steps, B={cfg['batch_size']}, {cfg['optimizer']} lr={cfg['lr']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from peft_lalora.federated import run_simulation
+    from peft_lalora.federated.federation import build_task
+
+    C.quiet_warnings()
+    warnings.filterwarnings("ignore", message=".*reproducible_noise=True.*")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result: dict[str, Any] = {"config": config, "runs": []}
+    if args.resume and args.out.is_file():
+        old = json.loads(args.out.read_text())
+        same = {k: v for k, v in old["config"].items() if k not in ("resume", "seeds", "methods", "epsilons")}
+        now = {k: v for k, v in config.items() if k not in ("resume", "seeds", "methods", "epsilons")}
+        if same != now:
+            raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
+        result["runs"] = old["runs"]
+    done = {run_key(r["method"], r["epsilon"], r["seed"]) for r in result["runs"]}
+    t_all = time.perf_counter()
+    for seed in args.seeds:
+        todo = [(e, m) for e in args.epsilons for m in args.methods if run_key(m, e, seed) not in done]
+        if not todo:
+            continue
+        t0 = time.perf_counter()
+        task = build_task(base_config(args, seed, args.epsilons[0], args.methods[0]), progress=not args.no_progress)
+        print(f"seed {seed}: task built in {time.perf_counter() - t0:.1f} s", flush=True)
+        for eps, method in todo:
+            cfg = base_config(args, seed, eps, method)
+            res = run_simulation(replace(cfg), progress=not args.no_progress, task=task)
+            rec = run_record(method, eps, seed, res)
+            result["runs"].append(rec)
+            print(
+                f"  {method:18s} ε={eps:g} seed={seed}: acc {rec['accuracy'][0]:.3f} -> {rec['accuracy'][-1]:.3f} "
+                f"(last-3 {last_k_mean(rec['accuracy'], 3):.3f}), max ε {rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s",
+                flush=True,
+            )
+            result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
+            result["versions"] = C.versions()
+            result["machine"] = C.machine()
+            result["wall_s_this_invocation"] = time.perf_counter() - t_all
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1, allow_nan=True))
+        del task
+    result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
+    if args.plot is not None and result["runs"]:
+        plot(result, args.plot)
+    print_table(result)
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    for eps, block in result.get("summary", {}).items():
+        print(f"\nε = {eps}")
+        print("| method | final accuracy | last-3-rounds accuracy | max ε | seeds |")
+        print("|---|---|---|---|---|")
+        for m, s in block["methods"].items():
+            print(f"| {LABELS[m]} | {C.fmt(s['final'])} | {C.fmt(s['last3'])} | {s['max_epsilon']:.3f} | {s['seeds']} |")
+        for k, v in block["comparisons"].items():
+            print(f"  {k}: {100 * v:+.1f} points")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=["minilm-rt", "tiny"], default="minilm-rt")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--partition", choices=["dirichlet", "group", "iid"], default="dirichlet")
+    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--local-steps", type=int, default=5)
+    p.add_argument("--fraction", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.3)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--lora-alpha", type=int, default=8)
+    p.add_argument("--frozen-layers", type=int, default=5, help="bottom encoder layers frozen and computed once")
+    p.add_argument("--pooling", choices=["cls", "mean"], default="mean")
+    p.add_argument("--seq-len", type=int, default=48)
+    p.add_argument("--n-train", type=int, default=0, help="0 = the whole training split")
+    p.add_argument("--n-test", type=int, default=1000)
+    p.add_argument("--reproducible-noise", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=C.RESULTS / "federated.json")
+    p.add_argument("--plot", type=Path, default=C.RESULTS / "federated.png")
+    p.add_argument("--resume", action="store_true", help="skip runs already in --out (same configuration)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", action="store_true", help="only redraw --plot and print the tables from --out")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 1 seed, 2 rounds × 2 steps, ε = 1")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.seeds, args.epsilons, args.rounds, args.local_steps = "tiny", [0], [1.0], 2, 2
+        args.n_train, args.n_test, args.seq_len, args.frozen_layers, args.clients = 128, 64, 16, 1, 4
+        args.batch_size, args.rank, args.lora_alpha = 8, 4, 8
+    return args
+
+
+def replot(args: argparse.Namespace) -> dict[str, Any]:
+    """Regenerate the PNG and the tables from the JSON, without running anything."""
+    result = json.loads(args.out.read_text())
+    cfg = result["config"]
+    result["summary"] = summarize(result["runs"], cfg["methods"], cfg["epsilons"])
+    if args.plot is not None:
+        plot(result, args.plot)
+    print_table(result)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return replot(args) if args.replot else run(args)
+
+
+if __name__ == "__main__":
+    main()
