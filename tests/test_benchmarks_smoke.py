@@ -166,4 +166,5 @@ def test_federated_summary_math() -> None:
     assert cmp["la_minus_dp_lora"] == pytest.approx(0.2)
     assert cmp["la_minus_best_ffa_rolora"] == pytest.approx(0.9 - 0.74)
     assert cmp["filter_gain"] == pytest.approx(0.2)
+    assert cmp["la_minus_dp_lora_last3"] == pytest.approx(0.75 - 0.65)  # la-lora last-3: mean(0.6, 0.9)
     assert federated.last_k_mean([0.5, 0.1, 0.2, 0.3, 0.4], 3) == pytest.approx(0.3)
