@@ -106,8 +106,10 @@ def test_named_inputs_loss_checks_arity():
 
 
 def test_cli_frozen_layers(tmp_path, capsys):
-    args = build_parser().parse_args(["federate", "--frozen-layers", "1"])
-    assert _config(args).frozen_layers == 1
+    args = build_parser().parse_args(["federate", "--frozen-layers", "1", "--pooling", "mean"])
+    assert (_config(args).frozen_layers, _config(args).pooling) == (1, "mean")
+    rc = main(["federate", "--model", "tiny", "--pooling", "mean", "--rounds", "1", "--out", str(tmp_path / "y.json")])
+    assert rc == 2 and "frozen_layers >= 1" in capsys.readouterr().err
     rc = main(["federate", "--model", "tiny", "--frozen-layers", "2", "--rounds", "1", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "frozen layers must be an integer in [1, 1]" in capsys.readouterr().err
 

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bottom encoder layers frozen without adapter and computed once per example (exact speed-up; "
         "LoRA goes on the layers above)",
     )
+    f.add_argument(
+        "--pooling",
+        choices=["cls", "mean"],
+        default="cls",
+        help="sentence representation for the head: the model's [CLS] pooler, or the masked mean of the last "
+        "hidden states (needs --frozen-layers >= 1)",
+    )
     f.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
     f.add_argument("--threads", type=int, default=0, help="torch threads per process (0: leave default)")
     f.add_argument("--timeout", type=float, default=3600.0, help="flower runner: seconds before giving up")
@@ -122,6 +129,7 @@ def _config(args: argparse.Namespace) -> Any:
         n_test=args.n_test,
         seq_len=args.seq_len,
         frozen_layers=args.frozen_layers,
+        pooling=args.pooling,
     )
 
 
