@@ -31,7 +31,6 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,35 +60,15 @@ LABELS = {
 
 
 def base_config(args: argparse.Namespace, seed: int, epsilon: float, method: str) -> Any:
-    from peft_lalora.federated import FederationConfig
+    """The run's ``FederationConfig``, through the CLI's own argument mapping: the grid's arguments share
+    the ``peft-lalora federate`` names; what the grid does not set keeps the CLI default."""
+    from peft_lalora.cli import build_parser, config_from_args
 
+    ns = build_parser().parse_args(["federate"])
+    vars(ns).update({k: v for k, v in vars(args).items() if hasattr(ns, k)})
     algo, filt = METHODS[method]
-    return FederationConfig(
-        task=args.model,
-        algo=algo,
-        filter=filt,
-        num_clients=args.clients,
-        partition=args.partition,
-        alpha=args.alpha,
-        rounds=args.rounds,
-        local_steps=args.local_steps,
-        fraction=args.fraction,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        max_grad_norm=args.max_grad_norm,
-        epsilon=epsilon,
-        delta=args.delta,
-        rank=args.rank,
-        lora_alpha=args.lora_alpha,
-        seed=seed,
-        reproducible_noise=args.reproducible_noise,
-        n_train=args.n_train,
-        n_test=args.n_test,
-        seq_len=args.seq_len,
-        frozen_layers=args.frozen_layers,
-        pooling=args.pooling,
-    )
+    vars(ns).update(algo=algo, filter=filt, seed=seed, epsilon=epsilon)
+    return config_from_args(ns)
 
 
 def run_key(method: str, epsilon: float, seed: int) -> str:
@@ -219,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"seed {seed}: task built in {time.perf_counter() - t0:.1f} s", flush=True)
         for eps, method in todo:
             cfg = base_config(args, seed, eps, method)
-            res = run_simulation(replace(cfg), progress=not args.no_progress, task=task)
+            res = run_simulation(cfg, progress=not args.no_progress, task=task)
             rec = run_record(method, eps, seed, res)
             result["runs"].append(rec)
             print(

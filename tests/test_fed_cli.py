@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.cli import _config, build_parser, main  # noqa: E402
+from peft_lalora.cli import config_from_args, build_parser, main  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -20,21 +20,21 @@ def test_algorithms_are_lalora_config_modes(algo, mode):
 
     from peft_lalora import LALoraConfig
 
-    cfg = _config(build_parser().parse_args(["federate", "--algo", algo]))
+    cfg = config_from_args(build_parser().parse_args(["federate", "--algo", algo]))
     pc = make_peft_config(cfg)
     assert isinstance(pc, LALoraConfig) and pc.alternation == mode
 
 
 def test_filters_map_to_post_hooks():
-    cfg = _config(build_parser().parse_args(["federate", "--filter", "binomial5"]))
+    cfg = config_from_args(build_parser().parse_args(["federate", "--filter", "binomial5"]))
     assert cfg.client_config().post_hooks == [("lowpass", {"kernel": "binomial5"})]
-    cfg = _config(build_parser().parse_args(["federate", "--filter", "none"]))
+    cfg = config_from_args(build_parser().parse_args(["federate", "--filter", "none"]))
     assert cfg.client_config().post_hooks == []
 
 
 def test_reproducible_noise_is_an_explicit_opt_in():
-    assert _config(build_parser().parse_args(["federate"])).reproducible_noise is False
-    cfg = _config(build_parser().parse_args(["federate", "--reproducible-noise"]))
+    assert config_from_args(build_parser().parse_args(["federate"])).reproducible_noise is False
+    cfg = config_from_args(build_parser().parse_args(["federate", "--reproducible-noise"]))
     assert cfg.reproducible_noise is True and cfg.client_config().reproducible_noise is True
 
 

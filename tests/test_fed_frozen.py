@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.cli import _config, build_parser, main  # noqa: E402
+from peft_lalora.cli import config_from_args, build_parser, main  # noqa: E402
 from peft_lalora.data import tiny_bert  # noqa: E402
 from peft_lalora.data.frozen import BertTop, encode_bottom, split_error  # noqa: E402
 from peft_lalora.federated import FederationConfig, run_simulation  # noqa: E402
@@ -74,6 +74,8 @@ def test_frozen_task_evaluates_exactly_like_the_full_model():
     # the client data are the partition's rows of the cache
     ds = frozen.tensors("train", [5, 1])
     assert torch.equal(ds.tensors[0], frozen.hidden["train"][[5, 1]])
+    with pytest.raises(ValueError, match="split must be"):
+        frozen.tensors("validation")
 
 
 def test_frozen_federation_trains_only_the_top_and_reuses_a_task_read_only():
@@ -107,7 +109,7 @@ def test_named_inputs_loss_checks_arity():
 
 def test_cli_frozen_layers(tmp_path, capsys):
     args = build_parser().parse_args(["federate", "--frozen-layers", "1", "--pooling", "mean"])
-    assert (_config(args).frozen_layers, _config(args).pooling) == (1, "mean")
+    assert (config_from_args(args).frozen_layers, config_from_args(args).pooling) == (1, "mean")
     rc = main(["federate", "--model", "tiny", "--pooling", "mean", "--rounds", "1", "--out", str(tmp_path / "y.json")])
     assert rc == 2 and "frozen_layers >= 1" in capsys.readouterr().err
     rc = main(["federate", "--model", "tiny", "--frozen-layers", "2", "--rounds", "1", "--out", str(tmp_path / "x.json")])

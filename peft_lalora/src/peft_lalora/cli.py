@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "config_from_args", "main"]
 
 
 def _positive_int(s: str) -> int:
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The ``FederationConfig`` of parsed ``federate`` arguments (also used by benchmarks/federated.py)."""
     from .federated.federation import FederationConfig
 
     return FederationConfig(
@@ -135,7 +136,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 def federate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict."""
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if cfg.reproducible_noise:
         from .federated.client import REPRODUCIBLE_NOISE_NOTE
 

@@ -254,6 +254,8 @@ class Task:
     def tensors(self, split: str, indices: Sequence[int] | np.ndarray | None = None) -> torch.utils.data.TensorDataset:
         """``TensorDataset`` of the model inputs (:attr:`input_names`) and the label for ``split``
         (``"train"`` / ``"test"``), restricted to ``indices`` (rows of that split) if given."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         ds = self.train if split == "train" else self.test
         if self.hidden is None:
             if indices is not None:
