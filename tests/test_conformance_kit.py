@@ -104,3 +104,21 @@ def test_correct_denoisers_pass():
 def test_broken_denoisers_are_caught(cls, kwargs, message):
     with pytest.raises((AssertionError, Exception), match=message):
         check_denoiser(cls, **kwargs)
+
+
+class StorageKeepingEma(Ema):
+    """Keeps a *view* of its input (``.detach()``, a new tensor object sharing the storage): the reference check
+    alone cannot see it."""
+
+    def __call__(self, grads):
+        out = []
+        for g in grads:
+            prev = self.state.get(g.name)
+            out.append(None if prev is None else (0.5 * prev + 0.5 * g.tensor.float()).to(g.tensor.dtype))
+            self.state[g.name] = g.tensor.detach()
+        return out
+
+
+def test_kit_detects_retained_storage_not_only_references():
+    with pytest.raises(AssertionError, match="keeps the storage"):
+        check_denoiser(StorageKeepingEma, stateful=True, sigma_zero_identity=False)

@@ -141,3 +141,69 @@ def test_runtime_registration_and_embedding_role():
     info = describe_parameters([emb.weight], emb, reg)[id(emb.weight)]
     assert info == type(info)("weight", "embedding", None)
     assert ParameterRole("lora_A") == ("lora_A", None)
+
+
+# --------------------------------------------------------------------------------- hostile plugins
+HOSTILE = {
+    "exiting-plugin": ("exiting_denoiser_plugin", "import sys\nsys.exit('plugin says bye')\n"),
+    "badrole-plugin": (
+        "badrole_denoiser_plugin",
+        "from opacus_spectral import hookimpl\n@hookimpl\ndef opacus_spectral_parameter_roles(module):\n"
+        "    return {n: ('lora_A', 'L', 'extra', 4) for n, _ in module.named_parameters()}\n",
+    ),
+    "nonstrrole-plugin": (
+        "nonstrrole_denoiser_plugin",
+        "from opacus_spectral import hookimpl\n@hookimpl\ndef opacus_spectral_parameter_roles(module):\n"
+        "    return {n: 7 for n, _ in module.named_parameters()}\n",
+    ),
+    "exitrole-plugin": (
+        "exitrole_denoiser_plugin",
+        "import sys\nfrom opacus_spectral import hookimpl\n@hookimpl\ndef opacus_spectral_parameter_roles(module):\n"
+        "    sys.exit(1)\n",
+    ),
+    "typo-plugin": (
+        "typo_denoiser_plugin",
+        "from opacus_spectral import hookimpl\n@hookimpl\ndef opacus_spectral_denoiser():\n"
+        "    return {'typo': lambda: (lambda grads: None)}\n",
+    ),
+}
+
+
+@pytest.fixture
+def hostile_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for dist, (mod, src) in HOSTILE.items():
+        (tmp_path / f"{mod}.py").write_text(src)
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[opacus_spectral]\n{dist.split('-')[0]} = {mod}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_hostile_plugins_never_break_the_host(hostile_site):
+    from engine_helpers import loader, mlp
+
+    from opacus_spectral import PrivacyEngine
+
+    reg = Registry()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = reg.denoisers()  # sys.exit() at import does not end the process
+        model = mlp(hidden=8, d_out=4)
+        engine = PrivacyEngine(accountant="rdp", registry=reg)
+        _, dp_opt, _ = engine.make_private(  # role plugins answering garbage or exiting: still works
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(16, 8, d_out=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, post_hooks=["rmt"],
+        )  # fmt: skip
+    assert {"rmt", "lowpass"} <= set(table) and "typo" not in table
+    errors = {(e.distribution, e.stage): e.error for e in reg.errors()}
+    assert "SystemExit" in errors[("exiting-plugin", "import")]
+    assert "roles" in {s for d, s in errors if d == "badrole-plugin"}
+    assert "roles" in {s for d, s in errors if d == "nonstrrole-plugin"}
+    assert "SystemExit" in errors[("exitrole-plugin", "roles")]
+    typo = errors[("typo-plugin", "register")]
+    assert "opacus_spectral_denoiser" in typo and "unknown hook" in typo
+    infos = engine.post_hooks._infos.values()
+    assert {i.role for i in infos} == {"weight", "bias"}  # garbage roles were dropped, built-ins kept
+    assert any("typo" in str(w.message) for w in caught)

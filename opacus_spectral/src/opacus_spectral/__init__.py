@@ -11,7 +11,13 @@ from .grad_sample import set_trainable
 from .hookspecs import hookimpl
 from .installation import PostHookHandle, install_post_hooks
 from .lowpass import LowPassDenoiser
-from .pipeline import DenoiserError, PipelineDiagnostics, PostNoisePipeline, StepDiagnostics
+from .pipeline import (
+    DenoiserError,
+    NonFiniteGradientError,
+    PipelineDiagnostics,
+    PostNoisePipeline,
+    StepDiagnostics,
+)
 from .records import NoisyGradient, ParameterRole
 from .rmt import RMTDenoiser
 from .registry import DenoiserInfo, LoadError, available_denoisers, get_registry, load_errors, reload_registry
@@ -24,6 +30,7 @@ __all__ = [
     "LoadError",
     "LowPassDenoiser",
     "NoisyGradient",
+    "NonFiniteGradientError",
     "ParameterRole",
     "PipelineDiagnostics",
     "PostHookHandle",

@@ -15,7 +15,9 @@ class DenoiserProtocol(Protocol):
     """Anything callable on the step's records is a denoiser.
 
     It edits ``record.tensor`` in place and returns ``None``, or returns one replacement tensor per
-    record (same shape, dtype and device; ``None`` entries keep the record's tensor).
+    record (same shape, dtype and device; ``None`` entries keep the record's tensor). It keeps neither a
+    record nor its tensor's memory after the call (``.clone()`` what it keeps; ``.detach()`` shares the
+    memory); the engine copies outputs into fresh ``p.grad`` memory, so returning a tensor it keeps is fine.
     """
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None: ...
@@ -37,6 +39,18 @@ class Denoiser:
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None:
         raise NotImplementedError
+
+    def selects(self, name: str, role: str) -> bool:
+        """Whether this denoiser may act on the parameter ``name`` with ``role`` (default: every one).
+
+        Denoisers with ``roles=``/``params=`` selectors override it; the engine warns once at installation
+        when a denoiser selects none of the optimizer's parameters (a typo would otherwise do nothing).
+        """
+        return True
+
+    def selector(self) -> str:
+        """How the selector is shown in that warning."""
+        return "all parameters"
 
     def reset(self) -> None:
         """Forget any state carried across steps."""

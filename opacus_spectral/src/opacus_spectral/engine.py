@@ -7,6 +7,7 @@ difference is the alternation-safe GradSampleModule (identical maths, see :mod:`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,17 @@ from opacus.grad_sample.utils import get_gsm_class
 from torch.distributed._composable.fsdp import FSDPModule
 from torch import nn
 
+from .checkpoint import load_checkpoint_file
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
+from .registry import HookSpec, Registry
 
 CHECKPOINT_KEY = "opacus_spectral_post_hooks"
-from .pipeline import OnError
-from .registry import HookSpec, Registry
+NON_PRIVATE = (
+    "noise_multiplier=0 trains with clipping only and NO noise: the model is NOT differentially private, "
+    "whatever the accountant reports"
+)
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -89,6 +95,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         post_hooks: Sequence[HookSpec] | None = None,
         on_denoiser_error: OnError = "raise",
         oracle: bool = False,
+        max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
+        on_nonfinite_grad: OnNonFinite = "raise",
+        allow_non_private: bool = False,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private`` plus denoisers.
@@ -98,22 +107,30 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 names (``"rmt"``), ``(name, {kwargs})`` pairs or denoiser callables. ``None``: no pipeline.
             on_denoiser_error: ``"raise"`` or ``"fallback"`` (see :class:`~opacus_spectral.pipeline.PostNoisePipeline`).
             oracle: record cosines to the clean clipped gradient each step (benchmarks only).
+            max_output_ratio: bound on a denoiser's output norm in units of the step's noisy gradient norm
+                (default 1000; ``None``: no bound). Needs ``post_hooks``.
+            on_nonfinite_grad: NaN/Inf in the noisy gradient: ``"raise"`` (default), ``"skip_step"`` or
+                ``"ignore"`` (Opacus' behaviour). Needs ``post_hooks`` (``[]`` is enough).
+            allow_non_private: ``noise_multiplier=0`` is refused unless this is ``True`` (then it warns):
+                clipping without noise gives no differential privacy.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
         """
+        self._check_noise(kwargs.get("noise_multiplier"), allow_non_private)
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         out = super().make_private(*args, **kwargs)
         if post_hooks is not None:
-            module, optimizer = out[0], out[1]
             # installed after super() returns: the accountant's step hook is attached last inside make_private
             self.post_hooks = install_post_hooks(
-                optimizer,
+                out[1],
                 post_hooks,
-                module=module,
+                module=out[0],
                 on_error=on_denoiser_error,
                 oracle=oracle,
                 registry=self.registry,
+                max_output_ratio=max_output_ratio,
+                on_nonfinite_grad=on_nonfinite_grad,
             )
         return out
 
@@ -123,6 +140,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         post_hooks: Sequence[HookSpec] | None = None,
         on_denoiser_error: OnError = "raise",
         oracle: bool = False,
+        max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
+        on_nonfinite_grad: OnNonFinite = "raise",
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` (kept out of Opacus' kwargs)."""
@@ -130,9 +149,27 @@ class PrivacyEngine(opacus.PrivacyEngine):
         out = super().make_private_with_epsilon(*args, **kwargs)
         if post_hooks is not None:
             self.post_hooks = install_post_hooks(
-                out[1], post_hooks, module=out[0], on_error=on_denoiser_error, oracle=oracle, registry=self.registry
+                out[1],
+                post_hooks,
+                module=out[0],
+                on_error=on_denoiser_error,
+                oracle=oracle,
+                registry=self.registry,
+                max_output_ratio=max_output_ratio,
+                on_nonfinite_grad=on_nonfinite_grad,
             )
         return out
+
+    @staticmethod
+    def _check_noise(noise_multiplier: Any, allow_non_private: bool) -> None:
+        if noise_multiplier is None or noise_multiplier != 0:
+            return
+        if not allow_non_private:
+            raise ValueError(
+                f"{NON_PRIVATE}. Pass allow_non_private=True to make_private if that is what you want "
+                "(e.g. a clipping-only reference run)."
+            )
+        warnings.warn(NON_PRIVATE + " (allow_non_private=True)", RuntimeWarning, stacklevel=3)
 
     def _drop_previous_pipeline(self, optimizer: Any) -> None:
         """A new make_private on an optimizer that already carries a pipeline starts without it (whatever
@@ -152,8 +189,45 @@ class PrivacyEngine(opacus.PrivacyEngine):
             checkpoint_dict[CHECKPOINT_KEY] = self.post_hooks.state_dict()
         super().save_checkpoint(checkpoint_dict=checkpoint_dict, **kwargs)
 
-    def load_checkpoint(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        checkpoint = super().load_checkpoint(**kwargs)
+    def load_checkpoint(  # type: ignore[override]
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Any = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
+        module_load_dict_kwargs: dict[str, Any] | None = None,
+        torch_load_kwargs: dict[str, Any] | None = None,
+        trusted: bool = False,
+    ) -> dict[str, Any]:
+        """Opacus' ``load_checkpoint`` without executing code from the file.
+
+        Opacus 1.6 always unpickles with ``torch.load(..., weights_only=False)``: a crafted checkpoint runs
+        arbitrary code. Here the file is read with ``weights_only=True`` (tensors, numbers, strings and
+        containers — everything this engine saves), and anything else raises ``pickle.UnpicklingError``.
+        ``trusted=True`` restores the unrestricted unpickler, for files you created yourself.
+        """
+        checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))
+        module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
+        self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
+        optimizer_state = checkpoint.pop("optimizer_state_dict", {})
+        if optimizer is not None and optimizer_state:
+            optimizer.load_state_dict(optimizer_state)
+        elif (optimizer is not None) != bool(optimizer_state):
+            warnings.warn(
+                f"optimizer_state_dict has {len(optimizer_state)} items but an optimizer was "
+                f"{'' if optimizer is not None else 'not '}given",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        for key, target in (
+            ("noise_scheduler_state_dict", noise_scheduler),
+            ("grad_clip_scheduler_state_dict", grad_clip_scheduler),
+        ):
+            state = checkpoint.pop(key, {})
+            if target is not None and state:
+                target.load_state_dict(state)
         state = checkpoint.pop(CHECKPOINT_KEY, None)
         if state is not None:
             if self.post_hooks is None:

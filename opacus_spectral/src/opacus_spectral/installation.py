@@ -23,7 +23,15 @@ from opacus.optimizers import (
 from torch import nn
 
 from .calibration import clean_scale, noise_std, world_size
-from .pipeline import DenoiserError, OnError, PipelineDiagnostics, PostNoisePipeline
+from .pipeline import (
+    DEFAULT_MAX_OUTPUT_RATIO,
+    DenoiserError,
+    NonFiniteGradientError,
+    OnError,
+    OnNonFinite,
+    PipelineDiagnostics,
+    PostNoisePipeline,
+)
 from .registry import HookSpec, Registry, create_denoisers, get_registry
 from .roles import ParamInfo, describe_parameters
 
@@ -47,6 +55,7 @@ class PostHookHandle:
         # names are fixed once, by position in the inner optimizer's param groups (not the changing
         # trainable subset), so a stateful denoiser keyed by name never mixes two tensors under alternation
         self._infos: dict[int, ParamInfo] = self._describe()
+        pipeline.check_selection(list(self._infos.values()))
         self._sigma: float | None = None
         self._scale: float | None = None
         self._removed = False
@@ -135,13 +144,22 @@ class PostHookHandle:
             ]
         try:
             out = self.pipeline.run([p.grad for p in params], infos, sigma, clean)
-        except DenoiserError:
+        except (DenoiserError, NonFiniteGradientError):
             for p in params:  # never let the caller step on a gradient a denoiser may have corrupted in place
                 p.grad = None
             raise
+        if out is None:  # non-finite noisy gradient, on_nonfinite_grad="skip_step": nothing moves this step
+            for p in params:
+                p.grad = None
+            return
+        if not self.pipeline.denoisers:
+            return  # nobody saw the gradients: p.grad stays as Opacus made it (bit-identical, no copy)
+        # Fresh memory for every p.grad. The tensors the denoisers saw (and may keep, or returned from their
+        # own state) are never written again: with zero_grad(set_to_none=False) the next backward accumulates
+        # the next batch's *clean* gradient into p.grad's memory, which no denoiser can then reach.
+        # It keeps the parameter's memory layout (autograd accumulates into p.grad on the next backward).
         for p, g in zip(params, out):
-            # keep the parameter's memory layout (autograd accumulates into p.grad on the next backward)
-            p.grad = g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g)
+            p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 def _check_supported(dp_optimizer: Any) -> None:
@@ -165,6 +183,8 @@ def install_post_hooks(
     oracle: bool = False,
     history: int = 1000,
     registry: Registry | None = None,
+    max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
+    on_nonfinite_grad: OnNonFinite = "raise",
 ) -> PostHookHandle:
     """Run ``hooks`` (names, ``(name, kwargs)`` pairs or denoiser callables, in this order) on every noisy step.
 
@@ -173,6 +193,9 @@ def install_post_hooks(
         hooks: the denoisers; ``[]`` installs a pipeline that leaves gradients bit-identical.
         module: the model (wrapped or not) — used to name parameters and ask role plugins about them.
         on_error: ``"raise"`` (default) or ``"fallback"`` (keep the noisy gradient, warn once, count).
+        max_output_ratio: a denoiser output whose norm exceeds this many times the step's noisy gradient norm
+            is treated as invalid (default 1000; ``None``: no bound).
+        on_nonfinite_grad: NaN/Inf in the noisy gradient: ``"raise"`` (default), ``"skip_step"`` or ``"ignore"``.
         oracle: record cos(noisy, clean) vs cos(denoised, clean) each step (benchmarks; costs syncs).
         history: how many steps of diagnostics to keep.
     """
@@ -185,5 +208,12 @@ def install_post_hooks(
     if old is not None:
         warnings.warn("replacing post hooks previously installed on this optimizer", RuntimeWarning, stacklevel=2)
         old.remove()
-    pipeline = PostNoisePipeline(denoisers, on_error=on_error, oracle=oracle, history=history)
+    pipeline = PostNoisePipeline(
+        denoisers,
+        on_error=on_error,
+        oracle=oracle,
+        history=history,
+        max_output_ratio=max_output_ratio,
+        on_nonfinite_grad=on_nonfinite_grad,
+    )
     return PostHookHandle(dp_optimizer, pipeline, module, reg)

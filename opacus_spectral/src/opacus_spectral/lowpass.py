@@ -18,7 +18,8 @@ from torch import Tensor
 from . import filters
 from .denoiser import Denoiser
 from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
-from .rmt import ParamFilter, matrix_view, resolve_param_filter
+from .rmt import matrix_view
+from .selection import ParamFilter, describe_param_filter, resolve_param_filter
 
 __all__ = ["LowPassDenoiser"]
 
@@ -41,7 +42,7 @@ class LowPassDenoiser(Denoiser):
         vectors: also filter 1-D gradients (bias, LayerNorm) along their only axis (default off).
         role_axes: override/extend the role → axis map (``None`` axis = untouched), e.g.
             ``{"embedding": 1}`` or ``{"lora_A": None}``.
-        params: optional name filter: substrings (any match) or a predicate on the qualified name.
+        params: optional name filter: a substring, substrings (any match) or a predicate on the qualified name.
         truncate: Gaussian kernel radius in units of ``sigma``.
 
     The filter does not depend on ``record.sigma``, except that a noiseless record (``sigma == 0``) is
@@ -92,6 +93,14 @@ class LowPassDenoiser(Denoiser):
             self._taps = torch.tensor(filters.BINOMIAL5, dtype=torch.float64)
         elif kernel == "gaussian":
             self._taps = filters.gaussian_kernel(self.sigma, self.truncate)
+
+    def selects(self, name: str, role: str) -> bool:
+        return bool(self._select_name(name)) and (self.role_axes.get(role) is not None or self.vectors)
+
+    def selector(self) -> str:
+        acting = sorted(r for r, ax in self.role_axes.items() if ax is not None)
+        vec = ", vectors=True" if self.vectors else ""
+        return f"roles with an axis={acting}{vec}, {describe_param_filter(self.params)}"
 
     def axis_for(self, rec: NoisyGradient) -> tuple[Tensor, int] | None:
         """(tensor view, axis) to filter ``rec`` along, or ``None`` to leave it untouched."""

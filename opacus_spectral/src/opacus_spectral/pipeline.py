@@ -1,11 +1,23 @@
 """The post-noise pipeline: runs the user's denoisers, in order, on the step's noisy gradients.
 
-It builds one :class:`NoisyGradient` per parameter that has a gradient, calls each denoiser, validates
-its output (shape, dtype, device, finite where the input was finite) and writes the result to ``p.grad``.
-Invalid output either raises :class:`DenoiserError` naming the denoiser and the parameter (default,
-``on_error="raise"``; the step is aborted and the affected ``p.grad`` are cleared so no weight is updated
-from them) or, with ``on_error="fallback"``, keeps that denoiser's input for the bad tensors, warns once and
-counts it (the inputs are copied before each denoiser in this mode: one extra copy of the gradients).
+It builds one :class:`NoisyGradient` per parameter that has a gradient, calls each denoiser and validates
+what comes back: ``None`` (edited in place) or one tensor (or ``None``) per record, each with the input's
+shape, dtype and device, finite where the input was finite, and with a norm of at most ``max_output_ratio``
+times the step's noisy gradient norm (all records together; default 1000, ``None`` disables the bound).
+Anything else — an exception (any ``BaseException`` but ``KeyboardInterrupt``), a non-sequence such as
+``True``, a generator that raises, a wrong length — goes through the same error policy:
+
+* ``on_error="raise"`` (default): :class:`DenoiserError` naming the denoiser and the parameter; the step is
+  aborted and the caller clears the affected ``p.grad``, so no weight moves and no partial in-place edit
+  survives;
+* ``on_error="fallback"``: that denoiser's input is kept for the bad tensors, one warning per kind of problem,
+  counted in :class:`PipelineDiagnostics` (inputs are copied before each denoiser in this mode).
+
+Before any denoiser runs, non-finite noisy gradients (NaN/Inf, e.g. from a poisoned example) follow
+``on_nonfinite_grad``: ``"raise"`` (default, :class:`NonFiniteGradientError`), ``"skip_step"`` (no parameter
+moves this step; warned once, counted in ``diagnostics.nonfinite_steps``) or ``"ignore"`` (Opacus' own
+behaviour: they reach the optimizer). Privacy is spent either way — the accountant already counted the step.
+The same fused per-tensor norms serve the finiteness check and the norm bound: one host sync per denoiser.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,10 +36,18 @@ from .records import NoisyGradient
 from .roles import ParamInfo
 
 OnError = Literal["raise", "fallback"]
+OnNonFinite = Literal["raise", "skip_step", "ignore"]
+
+#: default bound on a denoiser's output norm, in units of the step's noisy gradient norm
+DEFAULT_MAX_OUTPUT_RATIO = 1e3
 
 
 class DenoiserError(RuntimeError):
     """A denoiser raised or returned an invalid gradient."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The noisy gradient of a step holds NaN/Inf (``on_nonfinite_grad="raise"``)."""
 
 
 @dataclass
@@ -40,6 +60,7 @@ class StepDiagnostics:
     seconds: float = 0.0
     denoisers: dict[str, dict[str, Any]] = field(default_factory=dict)
     oracle: dict[str, Any] | None = None
+    skipped: bool = False  #: non-finite noisy gradient, step skipped (``on_nonfinite_grad="skip_step"``)
 
 
 @dataclass
@@ -52,6 +73,7 @@ class PipelineDiagnostics:
     fallbacks: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     skipped: int = 0  #: inner-optimizer steps without Opacus noise (post hooks not run)
+    nonfinite_steps: int = 0  #: steps whose noisy gradient held NaN/Inf
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
 
     @property
@@ -59,12 +81,12 @@ class PipelineDiagnostics:
         return self.history[-1] if self.history else None
 
 
-def _max_abs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor max |x| in one fused call (inf/nan propagate; finite values never overflow)."""
+def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
+    """Per-tensor norms in float32, one fused call (inf/nan propagate; empty tensors have norm 0)."""
     if not tensors:
         return torch.zeros(0)
-    norms = torch._foreach_norm([t if t.numel() else t.new_zeros(1) for t in tensors], float("inf"))
-    return torch.stack([n.float().to(tensors[0].device) for n in norms])
+    norms = torch._foreach_norm([t if t.numel() else t.new_zeros(1) for t in tensors], order, dtype=torch.float32)
+    return torch.stack([n.to(tensors[0].device) for n in norms])
 
 
 def _cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -75,7 +97,7 @@ def _cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
 
 
 class PostNoisePipeline:
-    """Applies ``denoisers`` in order to noisy gradients; see the module docstring for the error policy."""
+    """Applies ``denoisers`` in order to noisy gradients; see the module docstring for the policies."""
 
     def __init__(
         self,
@@ -84,12 +106,22 @@ class PostNoisePipeline:
         on_error: OnError = "raise",
         oracle: bool = False,
         history: int = 1000,
+        max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
+        on_nonfinite_grad: OnNonFinite = "raise",
     ) -> None:
         if on_error not in ("raise", "fallback"):
             raise ValueError(f"on_error must be 'raise' or 'fallback', got {on_error!r}")
+        if on_nonfinite_grad not in ("raise", "skip_step", "ignore"):
+            raise ValueError(f"on_nonfinite_grad must be 'raise', 'skip_step' or 'ignore', got {on_nonfinite_grad!r}")
+        if max_output_ratio is not None and not (
+            isinstance(max_output_ratio, (int, float)) and max_output_ratio >= 1 and max_output_ratio == max_output_ratio
+        ):
+            raise ValueError(f"max_output_ratio must be a number >= 1 or None, got {max_output_ratio!r}")
         self.denoisers = list(denoisers)
         self.names = self._unique_names(self.denoisers)
         self.on_error: OnError = on_error
+        self.on_nonfinite_grad: OnNonFinite = on_nonfinite_grad
+        self.max_output_ratio = None if max_output_ratio is None else float(max_output_ratio)
         self.oracle = oracle
         self.diagnostics = PipelineDiagnostics(history=deque(maxlen=history))
         self._warned: set[tuple[str, str]] = set()
@@ -103,6 +135,20 @@ class PostNoisePipeline:
             seen[n] += 1
             names.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
         return names
+
+    def check_selection(self, infos: Sequence[ParamInfo]) -> None:
+        """Warn once per denoiser whose selector (``selects(name, role)``) matches none of ``infos``."""
+        for d, dname in zip(self.denoisers, self.names):
+            selects = getattr(d, "selects", None)
+            if selects is None or not infos or any(selects(i.name, i.role) for i in infos):
+                continue
+            roles = sorted({i.role for i in infos})
+            warnings.warn(
+                f"denoiser {dname!r} selects none of the {len(infos)} parameters of this optimizer (their roles: "
+                f"{roles}); its selector is {getattr(d, 'selector', lambda: '?')()}. It will do nothing.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -134,13 +180,22 @@ class PostNoisePipeline:
         infos: Sequence[ParamInfo],
         sigma: float,
         clean: Sequence[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """Denoise ``grads`` (noisy gradient tensors, not Parameters). Returns the tensors to use as grads."""
+    ) -> list[torch.Tensor] | None:
+        """Denoise ``grads`` (noisy gradient tensors, not Parameters).
+
+        Returns the tensors to use as gradients, or ``None`` when the step is skipped (non-finite noisy
+        gradient under ``on_nonfinite_grad="skip_step"``). The returned tensors may be tensors a denoiser
+        saw or keeps: the caller copies them into fresh memory before a backward can write into them.
+        """
         t_start = time.perf_counter()
         diag = StepDiagnostics(step=self.step, sigma=sigma, n_tensors=len(grads))
         current = [g.detach() for g in grads]
+        checked = bool(current) and (bool(self.denoisers) or self.on_nonfinite_grad != "ignore")
+        in_finite = torch.isfinite(_norms(current, float("inf"))) if checked else None
+        if in_finite is not None and self.on_nonfinite_grad != "ignore" and not bool(in_finite.all()):  # one sync
+            return self._nonfinite(diag, infos, in_finite, t_start)
+        bound = self._bound(current, in_finite) if self.denoisers and in_finite is not None else None
         noisy_ref = [g.clone() for g in current] if self.oracle else None
-        in_finite = torch.isfinite(_max_abs(current)) if self.denoisers and current else None
         for d, dname in zip(self.denoisers, self.names):
             t0 = time.perf_counter()
             inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
@@ -151,16 +206,23 @@ class PostNoisePipeline:
             self.diagnostics.calls[dname] += 1
             entry: dict[str, Any] = {"fallbacks": 0}
             try:
-                result = d(records)
-            except Exception as exc:  # noqa: BLE001 - every denoiser failure is handled by the policy
+                outs = self._outputs(dname, records, d(records))
+            except DenoiserError:
+                raise
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every denoiser failure goes through the policy
                 self.diagnostics.errors[dname] += 1
                 self._bad(dname, None, f"raised {type(exc).__name__}: {exc}", exc)
-                entry["fallbacks"] = len(current)
+                outs = None
                 entry["error"] = f"{type(exc).__name__}: {exc}"
+            if outs is None:  # fallback for the whole denoiser
+                entry["fallbacks"] = len(current)
                 diag.denoisers[dname] = entry
                 continue
-            new = self._collect(dname, records, result, current)
-            self._check_finite(dname, new, current, in_finite, infos)
+            new = self._validate(dname, records, outs, current)
+            if in_finite is not None and bound is not None:
+                self._check_values(dname, new, current, in_finite, bound, infos)
             n_fb = sum(1 for a, b in zip(new, current) if a is b) if self.on_error == "fallback" else 0
             entry["fallbacks"] = n_fb
             current = new
@@ -171,28 +233,64 @@ class PostNoisePipeline:
             diag.denoisers[dname] = entry
         if self.oracle and clean is not None and noisy_ref is not None:
             diag.oracle = self._oracle(infos, noisy_ref, current, clean)
+        self._finish(diag, t_start)
+        return current
+
+    def _finish(self, diag: StepDiagnostics, t_start: float) -> None:
         diag.seconds = time.perf_counter() - t_start
         self.diagnostics.seconds += diag.seconds
         self.diagnostics.steps += 1
         self.diagnostics.history.append(diag)
         self.step += 1
-        return current
 
-    def _collect(
+    def _nonfinite(
+        self, diag: StepDiagnostics, infos: Sequence[ParamInfo], in_finite: torch.Tensor, t_start: float
+    ) -> None:
+        names = [infos[i].name for i in (~in_finite).nonzero().flatten().tolist()]
+        shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+        msg = f"the noisy gradient of step {self.step} is non-finite (NaN/Inf) for {len(names)} parameter(s): {shown}"
+        self.diagnostics.nonfinite_steps += 1
+        if self.on_nonfinite_grad == "raise":
+            raise NonFiniteGradientError(
+                msg + "; the step was aborted (on_nonfinite_grad='raise'; use 'skip_step' to skip such steps)"
+            )
+        if ("", "nonfinite") not in self._warned:
+            self._warned.add(("", "nonfinite"))
+            warnings.warn(msg + "; skipping the step (on_nonfinite_grad='skip_step')", RuntimeWarning, stacklevel=4)
+        diag.skipped = True
+        self._finish(diag, t_start)
+        return None
+
+    def _bound(self, current: Sequence[torch.Tensor], in_finite: torch.Tensor) -> torch.Tensor:
+        """Largest admissible output norm per tensor: ``max_output_ratio`` × the step's noisy gradient norm
+        (finite tensors only); infinite when the bound is off or the gradient is exactly zero."""
+        if self.max_output_ratio is None:
+            return torch.full_like(in_finite, float("inf"), dtype=torch.float32)
+        norms = torch.where(in_finite, _norms(current, 2.0), 0.0)
+        total = norms.double().pow(2).sum().sqrt().float()
+        bound = torch.where(total > 0, total * self.max_output_ratio, float("inf"))
+        return bound.expand(len(current))
+
+    def _outputs(self, dname: str, records: Sequence[NoisyGradient], result: Any) -> list[Any] | None:
+        """One output per record (``None`` entries keep the record's tensor); ``None`` if unusable (fallback)."""
+        if result is None:
+            return [r.tensor for r in records]
+        if isinstance(result, (torch.Tensor, str, bytes, Mapping)) or not isinstance(result, Iterable):
+            self._bad(dname, None, f"returned {type(result).__name__}; expected None or one tensor (or None) per gradient")
+            return None
+        outs = list(result)  # a generator may raise here: handled by the caller like any denoiser exception
+        if len(outs) != len(records):
+            self._bad(dname, None, f"returned {len(outs)} tensors for {len(records)} gradients")
+            return None
+        return [r.tensor if o is None else o for o, r in zip(outs, records)]
+
+    def _validate(
         self,
         dname: str,
         records: Sequence[NoisyGradient],
-        result: Any,
+        outs: Sequence[Any],
         current: list[torch.Tensor],
     ) -> list[torch.Tensor]:
-        if result is None:
-            outs: list[Any] = [r.tensor for r in records]
-        else:
-            outs = list(result)
-            if len(outs) != len(records):
-                self._bad(dname, None, f"returned {len(outs)} tensors for {len(records)} gradients")
-                return list(current)
-            outs = [r.tensor if o is None else o for o, r in zip(outs, records)]
         new: list[torch.Tensor] = []
         for o, ref, r in zip(outs, current, records):
             problem = None
@@ -211,20 +309,32 @@ class PostNoisePipeline:
                 new.append(o.detach())
         return new
 
-    def _check_finite(
+    def _check_values(
         self,
         dname: str,
         new: list[torch.Tensor],
         current: list[torch.Tensor],
-        in_finite: torch.Tensor | None,
+        in_finite: torch.Tensor,
+        bound: torch.Tensor,
         infos: Sequence[ParamInfo],
     ) -> None:
-        if in_finite is None or not new:
+        """Non-finite outputs of finite inputs, and outputs above the norm bound, fall under the policy."""
+        if not new:
             return
-        bad = in_finite & ~torch.isfinite(_max_abs(new))
+        out_finite = torch.isfinite(_norms(new, float("inf")))
+        out_norm = _norms(new, 2.0)
+        bad = in_finite & ~(out_finite & (out_norm <= bound))
         if bool(bad.any()):  # one host-device sync per denoiser and step
             for i in bad.nonzero().flatten().tolist():
-                self._bad(dname, infos[i].name, "produced non-finite values from a finite gradient")
+                if not bool(out_finite[i]):
+                    problem = "produced non-finite values from a finite gradient"
+                else:
+                    problem = (
+                        f"produced an output of norm {float(out_norm[i]):.3g}, more than max_output_ratio="
+                        f"{self.max_output_ratio:g} x the step's noisy gradient norm "
+                        f"{float(bound[i]) / float(self.max_output_ratio or 1):.3g}"
+                    )
+                self._bad(dname, infos[i].name, problem)
                 new[i] = current[i]
 
     def _bad(self, dname: str, pname: str | None, problem: str, exc: BaseException | None = None) -> None:

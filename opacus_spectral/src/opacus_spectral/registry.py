@@ -2,8 +2,12 @@
 
 Built-ins register through the same entry-point group as third parties. Loading is guarded per plugin:
 pluggy's ``load_setuptools_entrypoints`` stops at the first broken plugin, so entry points are iterated here,
-and each plugin is imported, registered and called inside its own ``try`` (a failure is one warning plus a
-:class:`LoadError` in :func:`load_errors`; the other plugins still load).
+and each plugin is imported, registered and called inside its own guard (a failure is one warning plus a
+:class:`LoadError` in :func:`load_errors`; the other plugins still load). The guard catches every
+``BaseException`` but ``KeyboardInterrupt`` — a plugin calling ``sys.exit()`` at import does not end the host.
+A hook implementation whose name matches no hookspec (a typo such as ``opacus_spectral_denoiser``) is
+reported as a load error (pluggy's ``check_pending`` rule, per plugin); answers of the wrong shape (a role
+that is not a string or a ``(role, layer)`` pair) drop that plugin's answer, with a load error.
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ class Registry:
                 dist = getattr(getattr(ep, "dist", None), "name", None)
                 try:
                     plugin = ep.load()
-                except Exception as exc:  # noqa: BLE001 - any plugin failure must not break the host
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - any plugin failure (even sys.exit) must not break the host
                     self._fail(ep.name, dist, "import", exc)
                     continue
                 self.register(plugin, name=ep.name, distribution=dist)
@@ -86,12 +92,28 @@ class Registry:
         with self._lock:
             try:
                 self.pm.register(plugin, name=name)
-            except Exception as exc:  # noqa: BLE001 - pluggy.PluginValidationError, ValueError (dup name), ...
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - pluggy.PluginValidationError, ValueError (dup name), ...
                 self._fail(name, distribution, "register", exc)
                 return False
             self._dist[name] = distribution
             self._denoisers = None
+            for unknown in self._unknown_hooks(plugin):
+                self._fail(name, distribution, "register", LookupError(
+                    f"unknown hook {unknown!r} (no such hookspec in opacus_spectral.hookspecs; a typo?) — ignored"
+                ))  # fmt: skip
             return True
+
+    def _unknown_hooks(self, plugin: object) -> list[str]:
+        """Names of ``plugin``'s hook implementations that match no hookspec (and are not ``optionalhook``)."""
+        unknown = []
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if caller.has_spec():
+                continue
+            if any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls()):
+                unknown.append(caller.name)
+        return sorted(unknown)
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -116,7 +138,9 @@ class Registry:
             plugin_name = impl.plugin_name
             try:
                 res = impl.function(**{a: kwargs[a] for a in impl.argnames})
-            except Exception as exc:  # noqa: BLE001
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - same guard as loading
                 self._fail(plugin_name, self._dist.get(plugin_name), hook_name.rsplit("_", 1)[-1], exc)
                 continue
             if res is not None:
@@ -175,18 +199,31 @@ class Registry:
             if broken:
                 hint = f"; plugins that failed to load: {', '.join(sorted(set(broken)))}"
             raise ValueError(f"unknown denoiser {name!r}; available: {known}{hint}")
-        return table[name].factory(**kwargs)
+        info = table[name]
+        try:
+            return info.factory(**kwargs)
+        except (Exception, KeyboardInterrupt):
+            raise  # the factory's own error about the user's kwargs (e.g. ValueError: kappa must be ...)
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin's factory must not end the host
+            raise RuntimeError(
+                f"building denoiser {name!r} (plugin {info.plugin!r}) raised {type(exc).__name__}: {exc}"
+            ) from exc
 
     # -- roles -----------------------------------------------------------------------------------------
     def roles(self, module: nn.Module) -> dict[str, ParameterRole]:
-        """Merge every plugin's role answer; the first-registered plugin wins on a conflict (with a warning)."""
+        """Merge every plugin's role answer; the first-registered plugin wins on a conflict (with a warning).
+
+        A malformed answer (not a mapping, or an entry that is neither a role string nor a ``(role, layer)``
+        pair of strings) drops that plugin's whole answer, with a load error: half an answer is worse than none.
+        """
         merged: dict[str, tuple[ParameterRole, str]] = {}
         for plugin_name, answer in self._call_each("opacus_spectral_parameter_roles", module=module):
-            if not isinstance(answer, Mapping):
-                self._fail(plugin_name, self._dist.get(plugin_name), "roles", TypeError("hook must return a mapping"))
+            try:
+                parsed = _parse_roles(answer)
+            except (TypeError, ValueError) as exc:
+                self._fail(plugin_name, self._dist.get(plugin_name), "roles", exc)
                 continue
-            for pname, role in answer.items():
-                role = ParameterRole(role) if isinstance(role, str) else ParameterRole(*role)
+            for pname, role in parsed.items():
                 if pname in merged and merged[pname][0] != role:
                     warnings.warn(
                         f"opacus_spectral: plugins {merged[pname][1]!r} and {plugin_name!r} disagree on the role of "
@@ -197,6 +234,27 @@ class Registry:
                     continue
                 merged.setdefault(pname, (role, plugin_name))
         return {k: v[0] for k, v in merged.items()}
+
+
+def _parse_roles(answer: Any) -> dict[str, ParameterRole]:
+    """A role hook's answer as ``{name: ParameterRole}``; ``TypeError`` naming the first bad entry."""
+    if not isinstance(answer, Mapping):
+        raise TypeError(f"hook must return a mapping {{param name: role}}, got {type(answer).__name__}")
+    out: dict[str, ParameterRole] = {}
+    for pname, role in answer.items():
+        if isinstance(role, str):
+            role = (role,)
+        ok = (
+            isinstance(pname, str)
+            and isinstance(role, tuple)
+            and len(role) in (1, 2)
+            and isinstance(role[0], str)
+            and (len(role) == 1 or role[1] is None or isinstance(role[1], str))
+        )
+        if not ok:
+            raise TypeError(f"bad role entry {pname!r}: {role!r} (expected a role string or a (role, layer) pair)")
+        out[pname] = ParameterRole(*role)
+    return out
 
 
 _default: Registry | None = None

@@ -7,7 +7,7 @@ as matrices, groups same-shape matrices into one batched call and publishes chea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,28 +15,12 @@ from torch import Tensor
 
 from .denoiser import Denoiser
 from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
+from .selection import ParamFilter, describe_param_filter, resolve_param_filter, resolve_roles
 from .spectral import Gate, Method, rmt_denoise, tracy_widom_quantile
 
 __all__ = ["RMTDenoiser", "ParamFilter", "matrix_view", "resolve_param_filter", "resolve_dtype"]
 
-#: ``params=``: substrings of qualified parameter names (any match selects), or a predicate on the name.
-ParamFilter = Sequence[str] | Callable[[str], bool] | None
-
 DEFAULT_ROLES: tuple[str, ...] = (ROLE_WEIGHT, ROLE_LORA_A, ROLE_LORA_B)
-
-
-def resolve_param_filter(params: ParamFilter) -> Callable[[str], bool]:
-    """Turn ``params=`` into a predicate on qualified parameter names."""
-    if params is None:
-        return lambda name: True
-    if callable(params):
-        return params
-    if isinstance(params, str):
-        params = (params,)
-    subs = tuple(params)
-    if not all(isinstance(p, str) for p in subs):
-        raise TypeError(f"params must be a callable or a list of name substrings, got {params!r}")
-    return lambda name: any(p in name for p in subs)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -74,8 +58,9 @@ class RMTDenoiser(Denoiser):
         false_alarm: the Tracy–Widom gate's false-alarm rate on pure noise, in [1e-8, 0.5].
         tw_centering: ``"johnstone"`` (Johnstone 2001, conservative on thin shapes) or ``"ma"`` (Ma 2012).
         norm_correction: rescale each denoised matrix to its noisy Frobenius norm.
-        roles: roles to act on (default: ``weight``, ``lora_A``, ``lora_B``; e.g. ``("lora_A", "lora_B")``).
-        params: optional name filter: substrings (any match) or a predicate on the qualified name.
+        roles: roles to act on (default: ``weight``, ``lora_A``, ``lora_B``; e.g. ``("lora_A", "lora_B")``; a
+            plain string is one role).
+        params: optional name filter: a substring, substrings (any match) or a predicate on the qualified name.
         compute_dtype: ``torch.float32`` (default) or ``torch.float64``.
         method, gram_max, oversample, max_iter, tol: fast-path controls, see
             :func:`opacus_spectral.spectral.rmt_denoise` (``"auto"``: Gram path for ``min(m,n) <= gram_max``,
@@ -106,7 +91,7 @@ class RMTDenoiser(Denoiser):
         false_alarm: float = 1e-3,
         tw_centering: str = "johnstone",
         norm_correction: bool = True,
-        roles: Iterable[str] | None = None,
+        roles: str | Iterable[str] | None = None,
         params: ParamFilter = None,
         compute_dtype: torch.dtype | str = torch.float32,
         method: Method = "auto",
@@ -142,7 +127,7 @@ class RMTDenoiser(Denoiser):
         self.false_alarm = float(false_alarm)
         self.tw_centering = tw_centering
         self.norm_correction = bool(norm_correction)
-        self.roles: frozenset[str] = frozenset(DEFAULT_ROLES if roles is None else roles)
+        self.roles: frozenset[str] = resolve_roles(roles, DEFAULT_ROLES)
         self.params = params
         self._select_name = resolve_param_filter(params)
         self.compute_dtype = resolve_dtype(compute_dtype)
@@ -157,9 +142,15 @@ class RMTDenoiser(Denoiser):
         self.seed = int(seed)
         self.inplace = bool(inplace)
 
+    def selects(self, name: str, role: str) -> bool:
+        return role in self.roles and bool(self._select_name(name))
+
+    def selector(self) -> str:
+        return f"roles={sorted(self.roles)}, {describe_param_filter(self.params)}"
+
     def select(self, rec: NoisyGradient) -> Tensor | None:
         """The matrix view of ``rec`` if this denoiser acts on it, else ``None``."""
-        if rec.role not in self.roles or not self._select_name(rec.name):
+        if not self.selects(rec.name, rec.role):
             return None
         sigma = rec.sigma
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):

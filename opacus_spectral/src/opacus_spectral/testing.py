@@ -14,7 +14,11 @@ It raises ``AssertionError`` naming the first broken rule. What it checks (see `
 3. Determinism: two fresh instances fed the same sequence give bit-identical outputs (needed for DDP ranks).
 4. Records only: record metadata is not modified, and the denoiser keeps no reference to the records or their
    tensors after the call (a stateful denoiser copies what it needs).
-5. Stateful denoisers (``stateful=True``): ``state_dict()`` survives ``torch.save``/``torch.load``, and a fresh
+5. No retained storage: after every call the memory the denoiser was handed is overwritten (as the next
+   ``backward()`` does when ``zero_grad(set_to_none=False)`` keeps ``p.grad``'s memory: it writes the next
+   batch's *clean* gradient there); the outputs of later steps must not change. This catches a denoiser
+   that keeps ``record.tensor.detach()`` (a new tensor object sharing the memory) instead of ``.clone()``.
+6. Stateful denoisers (``stateful=True``): ``state_dict()`` survives ``torch.save``/``torch.load``, and a fresh
    instance loaded mid-sequence continues with exactly the outputs of an uninterrupted run; ``reset()`` returns
    to the initial behaviour.
 """
@@ -82,6 +86,42 @@ def _equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _outputs_of(records: Sequence[NoisyGradient], result: Any) -> list[torch.Tensor]:
+    if result is None:
+        return [r.tensor.clone() for r in records]
+    return [(r.tensor if o is None else o).detach().clone() for r, o in zip(records, result, strict=True)]
+
+
+def _check_no_retained_storage(
+    factory: Callable[[], Any],
+    name: str,
+    infos: Sequence[ParamInfo],
+    layout: Sequence[tuple[str, str, tuple[int, ...]]],
+    sigma: float,
+    steps: int,
+    device: str | torch.device,
+) -> None:
+    runs: list[list[list[torch.Tensor]]] = []
+    for scribble in (False, True):
+        d = factory()
+        gen = torch.Generator().manual_seed(1234)
+        seq = []
+        for step in range(steps):
+            grads = make_gradients(step, sigma=sigma, layout=layout, device=device)
+            records = [NoisyGradient(i.name, i.role, g, sigma, step, i.layer) for i, g in zip(infos, grads)]
+            seq.append(_outputs_of(records, d(records)))
+            if scribble:  # what a later backward does to p.grad's memory
+                for g in grads:
+                    g.copy_((100.0 * torch.randn(g.shape, generator=gen)).to(dtype=g.dtype, device=g.device))
+        runs.append(seq)
+    for step in range(steps):
+        assert _equal(runs[0][step], runs[1][step]), (
+            f"{name}: keeps the storage of its input gradients (step {step} changed when the memory handed in at an "
+            "earlier step was overwritten, as the next backward does): copy what you keep with .clone(), not "
+            ".detach() or a view"
+        )
+
+
 def check_denoiser(
     factory: Callable[[], Any],
     *,
@@ -136,7 +176,10 @@ def check_denoiser(
     gc.collect()
     assert all(ref() is None for ref in refs), f"{name}: keeps references to the records or their tensors"
 
-    # 5. state_dict round trip
+    # 5. no retained storage: scribbling on the memory handed in must not change later outputs
+    _check_no_retained_storage(factory, name, infos, layout, sigma, steps, device)
+
+    # 6. state_dict round trip
     if stateful:
         full = PostNoisePipeline([factory()])
         first = PostNoisePipeline([factory()])

@@ -176,6 +176,8 @@ class ClientConfig:
     #: seed noise / Poisson sampling / dropout from ``(seed, client, round)``: experiments only, NOT private
     #: against whoever knows the seed (see the module docstring). Default: fresh OS entropy every round.
     reproducible_noise: bool = False
+    #: ``noise_multiplier=0`` (clipping only, NOT private) is refused unless this is set (then it warns)
+    allow_non_private: bool = False
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -327,6 +329,7 @@ class DPClient:
             noise_generator=self._noise_gen,
             grad_sample_mode=config.grad_sample_mode,
             post_hooks=list(config.post_hooks),
+            allow_non_private=config.allow_non_private,
         )
         self.controller = AlternationController(peft_model, self.optimizer)
         self.rounds_run = 0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from opacus_spectral import Denoiser, NoisyGradient
+from opacus_spectral.selection import resolve_roles
 
 #: name -> (a, b). first_order is the example in the DOPPLER paper; second_order is a double pole at 0.8
 #: (a = (1 − 0.8z⁻¹)²) with b chosen for unit DC gain.
@@ -45,7 +46,7 @@ class DopplerDenoiser(Denoiser):
     Args:
         preset: ``"first_order"`` (default) or ``"second_order"``; ignored when ``a`` and ``b`` are given.
         a, b: filter coefficients (``a[0]`` must be 1; DC gain Σb/Σa must be 1).
-        roles: roles to filter (default: all, 1-D included).
+        roles: roles to filter (default: all, 1-D included; a plain string is one role).
         state_dtype: dtype of the history tensors (float32; float64 for float64 gradients).
     """
 
@@ -56,7 +57,7 @@ class DopplerDenoiser(Denoiser):
         preset: str = "first_order",
         a: Sequence[float] | None = None,
         b: Sequence[float] | None = None,
-        roles: Sequence[str] | None = None,
+        roles: str | Sequence[str] | None = None,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -72,10 +73,16 @@ class DopplerDenoiser(Denoiser):
         if abs(sum(b) / sum(a) - 1.0) > 1e-9:
             raise ValueError(f"DC gain Σb/Σa = {sum(b) / sum(a):.6g}; it must be 1")
         self.a, self.b = a, b
-        self.roles = None if roles is None else tuple(roles)
+        self.roles = None if roles is None else resolve_roles(roles, ())
         self.state_dtype = state_dtype
         self._c = step_response(a, b, 1)
         self.reset()
+
+    def selects(self, name: str, role: str) -> bool:
+        return self.roles is None or role in self.roles
+
+    def selector(self) -> str:
+        return "all roles" if self.roles is None else f"roles={sorted(self.roles)}"
 
     def reset(self) -> None:
         #: per parameter: t, past inputs g̃_{t−1..t−n_b}, past outputs m_{t−1..t−n_a}
@@ -90,7 +97,7 @@ class DopplerDenoiser(Denoiser):
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(grads)
-        sel = [i for i, g in enumerate(grads) if g.tensor.numel() and (self.roles is None or g.role in self.roles)]
+        sel = [i for i, g in enumerate(grads) if g.tensor.numel() and self.selects(g.name, g.role)]
         if not sel:
             return out
         nb, na = len(self.b) - 1, len(self.a) - 1

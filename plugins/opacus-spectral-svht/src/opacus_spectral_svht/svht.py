@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from opacus_spectral import Denoiser, NoisyGradient
+from opacus_spectral.selection import resolve_roles
 
 ROLES = ("weight", "lora_A", "lora_B")
 
@@ -41,16 +42,22 @@ class SVHTDenoiser(Denoiser):
     """``"svht"``: optimal hard threshold of each ≥2-D gradient (conv kernels as (out, in·k·k)), batched by shape.
 
     Args:
-        roles: roles to act on (default: weight, lora_A, lora_B).
+        roles: roles to act on (default: weight, lora_A, lora_B; a plain string is one role).
         compute_dtype: torch.float32 (default) or torch.float64.
     """
 
     name = "svht"
 
-    def __init__(self, roles: Sequence[str] = ROLES, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, roles: str | Sequence[str] = ROLES, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.roles = tuple(roles)
+        self.roles = resolve_roles(roles, ROLES)
         self.compute_dtype = compute_dtype
+
+    def selects(self, name: str, role: str) -> bool:
+        return role in self.roles
+
+    def selector(self) -> str:
+        return f"roles={sorted(self.roles)}"
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(grads)
