@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -156,36 +155,6 @@ def _marked_processes(marker: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-@pytest.mark.flower
-def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
-    pytest.importorskip("flwr")
-    from peft_lalora.federated.launcher import run_flower
-
-    torch.set_num_threads(1)
-    cfg = FederationConfig(**CFG)
-    t0 = time.perf_counter()
-    out = run_flower(cfg, workdir=tmp_path, threads=1, timeout=170)
-    wall = time.perf_counter() - t0
-    # nothing left behind: no process carrying this federation's marker, all teardown checks empty
-    assert out["leftover_pids"] == []
-    assert _marked_processes(out["federation_id"]) == []
-    # the global adapter changed, and it is the FedAvg of what the clients computed
-    g0, g_ref, eps = _replay(cfg)
-    final = torch.load(out["state_path"])
-    assert not all(torch.equal(final[k], g0[k]) for k in g0)
-    _assert_states_equal(final, g_ref, atol=1e-6)
-    # same as the in-process runner, and the same privacy ledger
-    sim = run_simulation(cfg, progress=False)
-    _assert_states_equal(final, sim.state, atol=1e-6)
-    assert out["runner"] == "flower" and len(out["accuracy"]) == 3
-    assert out["accuracy"] == pytest.approx(sim.accuracy, abs=1e-9)
-    assert [out["epsilon"][str(i)] for i in range(2)] == pytest.approx(eps, rel=1e-9)
-    assert [r["clients"] for r in out["rounds"]] == [[0, 1], [0, 1]]
-    assert out["noise"]["reproducible"] is True and out["noise"]["note"] == REPRODUCIBLE_NOISE_NOTE
-    assert out["failed_rounds"] == [] and [r["error"] for r in out["rounds"]] == [None, None]
-    print(f"flower federation wall time: {wall:.1f}s")
 
 
 def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ _LAZY = {
     "run_simulation": "simulation",
     "LocalFederation": "launcher",
     "run_flower": "launcher",
+    "TLSConfig": "certificates",
 }
 
 __all__ = [

@@ -1,19 +1,31 @@
-"""One-command local Flower federation on loopback: SuperLink + N SuperNodes, always torn down.
+"""One-command local Flower federation on loopback: SuperLink + N SuperNodes, TLS + SuperNode
+authentication by default, always torn down.
 
 :func:`run_flower` writes a Flower app (``pyproject.toml`` + a copy of
-:mod:`peft_lalora.federated.flower_app`) with the run's configuration, starts
+:mod:`peft_lalora.federated.flower_app`) with the run's configuration and, by default (secure),
 
-* ``flower-superlink --insecure --disable-runtime-dependency-installation`` on ``127.0.0.1:<port>``
-  (no ``uv sync``, which would fetch a CUDA torch; no Ray — this is the deployment engine), and
-* N ``flower-supernode --insecure --superlink 127.0.0.1:<port> --node-config 'partition-id=i
-  num-partitions=N'``, each with its own runtime-API port on 127.0.0.1,
+* generates into ``<workdir>/credentials/`` a throw-away CA and a SuperLink certificate for
+  ``127.0.0.1``/``localhost`` (:mod:`.certificates`; or uses the user's :class:`TLSConfig`) and one
+  P-384 key pair per SuperNode (:mod:`.node_keys`); private keys are written with mode 0600;
+* starts ``flower-superlink --ssl-ca-certfile ca.pem --ssl-certfile server.pem --ssl-keyfile server.key
+  --enable-supernode-auth --disable-runtime-dependency-installation --host 127.0.0.1 --port <port>``
+  (no ``uv sync``, which would fetch a CUDA torch; no Ray — this is the deployment engine);
+* registers every SuperNode's public key with ``flwr supernode register <key.pub> lalora-local``
+  **before** that node starts (an unregistered node's activation is refused and it exits), then starts
+  N ``flower-supernode --root-certificates ca.pem --auth-supernode-private-key <key> --superlink
+  127.0.0.1:<port> --node-config 'partition-id=i num-partitions=N'``, each with its own runtime-API port
+  on 127.0.0.1;
 
-as separate processes in **one new process group** (not our shell's), runs ``flwr run <app> <connection> --stream``
-against a connection defined in a private ``$FLWR_HOME/config.toml``, and tears everything down in a
-``finally``. Flower's SuperLink starts its SuperExec in a *new session* (``start_new_session=True``),
-which escapes the process group, so every process of the federation also carries a marker environment
-variable (``LALORA_FEDERATION_ID``); teardown signals the group *and* every process that carries the
-marker (found through ``/proc``), then verifies that none is left (:meth:`LocalFederation.leftovers`).
+and ``flwr run <app> lalora-local --stream`` against a connection in a private ``$FLWR_HOME/config.toml``
+(``address = "127.0.0.1:<port>"``, ``root-certificates = "<ca.pem>"``). ``insecure=True`` instead runs
+everything with ``--insecure`` (plain HTTP, no node authentication; ``insecure = true`` in the
+connection) and warns: for local testing only. See ``docs/deployment.md``.
+
+All processes run in **one new process group** (not our shell's) and are torn down in a ``finally``.
+Flower's SuperLink starts its SuperExec in a *new session* (``start_new_session=True``), which escapes the
+process group, so every process of the federation also carries a marker environment variable
+(``LALORA_FEDERATION_ID``); teardown signals the group *and* every process that carries the marker
+(found through ``/proc``), then verifies that none is left (:meth:`LocalFederation.leftovers`).
 Telemetry and update checks are off (``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``).
 """
 
@@ -30,18 +42,25 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .certificates import TLSConfig, generate_tls
 from .federation import FederationConfig
+from .node_keys import NodeKeys, generate_node_keys
 
-__all__ = ["LocalFederation", "free_port", "run_flower", "write_flower_app"]
+__all__ = ["INSECURE_WARNING", "LocalFederation", "TLSConfig", "free_port", "run_flower", "write_flower_app"]
 
 MARKER = "LALORA_FEDERATION_ID"
 APP_MODULE = "lalora_flower_app"
 CONNECTION = "lalora-local"
+INSECURE_WARNING = (
+    "insecure=True: the federation's traffic (adapters, updates, run configuration) is unencrypted and "
+    "its SuperNodes are unauthenticated (any process that reaches the port can join); for local testing only"
+)
 
 
 def free_port() -> int:
@@ -133,9 +152,12 @@ class LocalFederation:
 
     Args:
         num_supernodes: one per partition (``partition-id`` 0..N-1).
-        workdir: where ``flwr_home/``, ``logs/`` go (default: a new temp dir).
+        workdir: where ``flwr_home/``, ``logs/``, ``credentials/`` go (default: a new temp dir).
         startup_timeout: seconds to wait for the SuperLink port.
         extra_env: added to every process's environment.
+        insecure: plain HTTP and no SuperNode authentication (today's ``--insecure``); warns with a
+            ``RuntimeWarning``. Local testing only.
+        tls: the user's CA/server certificate/key; default: generated into ``credentials/``.
     """
 
     def __init__(
@@ -145,7 +167,11 @@ class LocalFederation:
         *,
         startup_timeout: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        insecure: bool = False,
+        tls: TLSConfig | None = None,
     ) -> None:
+        if insecure and tls is not None:
+            raise ValueError("insecure=True disables TLS; do not pass tls certificates with it")
         if num_supernodes < 1:
             raise ValueError(f"num_supernodes must be >= 1, got {num_supernodes}")
         if not sys.platform.startswith("linux"):
@@ -157,6 +183,17 @@ class LocalFederation:
         self.port = free_port()
         self.flwr_home = self.workdir / "flwr_home"
         self.log_dir = self.workdir / "logs"
+        self.credentials_dir = self.workdir / "credentials"
+        self.insecure = bool(insecure)
+        self._generate_tls = not self.insecure and tls is None
+        self.tls: TLSConfig | None = None
+        if not self.insecure:
+            cred = self.credentials_dir
+            self.tls = tls or TLSConfig(cred / "ca.pem", cred / "server.pem", cred / "server.key")
+        self.node_keys: dict[str, NodeKeys] = {}  # SuperNode name -> key files (secure mode only)
+        self.node_ids: dict[str, int] = {}  # SuperNode name -> node id the SuperLink registered
+        if self.insecure:
+            warnings.warn(INSECURE_WARNING, RuntimeWarning, stacklevel=2)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         self.pgid: int | None = None
@@ -174,8 +211,9 @@ class LocalFederation:
         }
         self._atexit_registered = False
 
-    # ------------------------------------------------------------------------------------------- start
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    # ----------------------------------------------------------------------------------------- processes
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as a process of this federation (its group, marker and ``logs/<name>.log``)."""
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         # first process: leader of a new group (setpgid(0, 0)); the others join it. (A new *session* would
@@ -203,47 +241,156 @@ class LocalFederation:
             time.sleep(0.2)
         raise TimeoutError(f"{name} did not open 127.0.0.1:{port} within {self.startup_timeout:.0f}s")
 
+    # ------------------------------------------------------------------------------------ commands
+    def config_toml(self) -> str:
+        """``$FLWR_HOME/config.toml``: the ``lalora-local`` connection used by ``flwr run`` and
+        ``flwr supernode register/list`` (``root-certificates`` = the CA, or ``insecure = true``)."""
+        lines = [
+            "[superlink]",
+            f'default = "{CONNECTION}"',
+            "",
+            f"[superlink.{CONNECTION}]",
+            f'address = "127.0.0.1:{self.port}"',
+        ]
+        if self.tls is None:
+            lines.append("insecure = true")
+        else:
+            lines += [f"root-certificates = {json.dumps(str(self.tls.ca_cert))}", "insecure = false"]
+        return "\n".join(lines) + "\n"
+
+    def superlink_command(self) -> list[str]:
+        """``flower-superlink`` on 127.0.0.1: TLS + ``--enable-supernode-auth``, or ``--insecure``."""
+        if self.tls is None:
+            security = ["--insecure"]
+        else:
+            security = [
+                "--ssl-ca-certfile", str(self.tls.ca_cert),
+                "--ssl-certfile", str(self.tls.server_cert),
+                "--ssl-keyfile", str(self.tls.server_key),
+                "--enable-supernode-auth",
+            ]
+        return [
+            "flower-superlink",
+            *security,
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+
+    def supernode_command(self, index: int, port: int, private_key: Path | None = None) -> list[str]:
+        """``flower-supernode`` for partition ``index``: ``--root-certificates`` + its auth key, or
+        ``--insecure``; the SuperNode's own runtime API listens on ``127.0.0.1:port``."""
+        if self.tls is None:
+            if private_key is not None:
+                raise ValueError("an insecure federation has no SuperNode authentication")
+            security = ["--insecure"]
+        else:
+            if private_key is None:
+                raise ValueError("a secure federation needs the SuperNode's private key")
+            security = [
+                "--root-certificates", str(self.tls.ca_cert),
+                "--auth-supernode-private-key", str(private_key),
+            ]
+        return [
+            "flower-supernode",
+            *security,
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--node-config",
+            f"partition-id={index} num-partitions={self.num_supernodes}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+
+    # ------------------------------------------------------------------------------------------- start
+    def _cli(self, argv: list[str], name: str, timeout: float = 60.0) -> str:
+        """Run a short ``flwr`` CLI command in the federation's group; its output, or RuntimeError."""
+        proc = subprocess.Popen(
+            argv,
+            env={**self.env, "COLUMNS": "200"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            **_group_kwargs(self.pgid),
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        (self.log_dir / f"{name}.log").write_text(out or "")
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[:3])} failed with code {proc.returncode}:\n{out}")
+        return out or ""
+
+    def _cli_json(self, argv: list[str], name: str) -> dict[str, Any]:
+        out = self._cli([*argv, "--format", "json"], name)
+        try:
+            data, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])  # the CLI may log before it
+        except ValueError as exc:
+            raise RuntimeError(f"{' '.join(argv[:3])}: no JSON in its output:\n{out}") from exc
+        if not data.get("success"):
+            raise RuntimeError(f"{' '.join(argv[:3])} failed: {data}")
+        return data
+
+    def register_node(self, public_key: str | Path) -> int:
+        """``flwr supernode register <public_key> lalora-local``: allow the SuperNode holding the matching
+        private key to join; returns its node id. Must run *before* that SuperNode starts."""
+        name = f"register-{Path(public_key).stem}"
+        data = self._cli_json(["flwr", "supernode", "register", str(public_key), CONNECTION], name)
+        return int(data["node-id"])
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """``flwr supernode list lalora-local --format json``: the SuperLink's nodes (``node-id``,
+        ``status``: ``registered``/``online``/``offline``/...)."""
+        return list(self._cli_json(["flwr", "supernode", "list", CONNECTION], "supernode-list")["nodes"])
+
+    def add_supernode(
+        self, index: int, keys: NodeKeys | None = None, *, register: bool = True, name: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start the SuperNode of partition ``index``. Secure: uses ``keys`` (default: a fresh pair in
+        ``credentials/``) and registers its public key first unless ``register=False`` (then the
+        SuperLink refuses it)."""
+        name = name or f"supernode-{index}"
+        private_key = None
+        if self.tls is not None:
+            keys = keys or generate_node_keys(self.credentials_dir, name)
+            self.node_keys[name] = keys
+            if register:
+                self.node_ids[name] = self.register_node(keys.public_key)
+            private_key = keys.private_key
+        elif keys is not None:
+            raise ValueError("an insecure federation has no SuperNode authentication")
+        return self.spawn(name, self.supernode_command(index, free_port(), private_key))
+
+    def _prepare_tls(self) -> None:
+        if self.tls is None:
+            return
+        if self._generate_tls:
+            self.tls = generate_tls(self.credentials_dir)
+            self._generate_tls = False  # a restarted federation keeps its CA
+        elif missing := self.tls.missing():
+            raise FileNotFoundError(f"TLS files not found: {', '.join(map(str, missing))}")
+
     def start(self) -> LocalFederation:
         """Start SuperLink and SuperNodes; on any failure everything started so far is stopped."""
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
-        )
+        self._prepare_tls()
+        (self.flwr_home / "config.toml").write_text(self.config_toml())
         if not self._atexit_registered:
             atexit.register(self.stop)
             self._atexit_registered = True
         try:
-            link = self._spawn(
-                "superlink",
-                [
-                    "flower-superlink",
-                    "--insecure",
-                    "--disable-runtime-dependency-installation",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                ],
-            )
+            link = self.spawn("superlink", self.superlink_command())
             self._wait_port(self.port, link, "superlink")
             for i in range(self.num_supernodes):
-                self._spawn(
-                    f"supernode-{i}",
-                    [
-                        "flower-supernode",
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{self.port}",
-                        "--node-config",
-                        f"partition-id={i} num-partitions={self.num_supernodes}",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(free_port()),
-                    ],
-                )
+                self.add_supernode(i)
         except BaseException:
             self.stop()
             raise
@@ -331,11 +478,17 @@ def run_flower(
     workdir: str | Path | None = None,
     threads: int = 0,
     timeout: float = 600.0,
+    insecure: bool = False,
+    tls: TLSConfig | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` on a fresh local Flower federation (``cfg.num_clients`` SuperNodes) and return the
     result JSON (same layout as :meth:`FederationResult.to_json`) plus ``"state_path"`` (the final
-    global adapter saved with ``torch.save``), ``"workdir"`` (logs, app), ``"federation_id"`` (the value
-    of ``LALORA_FEDERATION_ID`` its processes carried) and ``"leftover_pids"`` (checked after teardown).
+    global adapter saved with ``torch.save``), ``"workdir"`` (logs, app, credentials), ``"federation_id"``
+    (the value of ``LALORA_FEDERATION_ID`` its processes carried), ``"leftover_pids"`` (checked after
+    teardown) and ``"transport"`` (``{"tls": bool, "supernode_auth": bool}``).
+
+    TLS and SuperNode authentication are on by default (certificates and keys generated into
+    ``workdir/credentials``, or ``tls`` given); ``insecure=True`` turns both off and warns.
 
     Raises ``RuntimeError`` with the tail of the logs if the run produced no result.
     """
@@ -352,7 +505,13 @@ def run_flower(
         THREADS_KEY: int(threads),
     }
     app_dir = write_flower_app(wd / "app", run_config)
-    fed = LocalFederation(cfg.num_clients, wd, extra_env={"OMP_NUM_THREADS": str(threads)} if threads > 0 else None)
+    fed = LocalFederation(
+        cfg.num_clients,
+        wd,
+        extra_env={"OMP_NUM_THREADS": str(threads)} if threads > 0 else None,
+        insecure=insecure,
+        tls=tls,
+    )
     with fed:
         completed = fed.run(app_dir, timeout=timeout)
         deadline = time.monotonic() + 30.0
@@ -370,4 +529,5 @@ def run_flower(
     out["workdir"] = str(wd)
     out["federation_id"] = fed.marker
     out["leftover_pids"] = fed.leftovers()  # [] unless teardown failed
+    out["transport"] = {"tls": fed.tls is not None, "supernode_auth": fed.tls is not None}
     return out
