@@ -94,3 +94,27 @@ def test_bad_arguments_exit_cleanly(tmp_path, capsys):
         main(["federate", "--algo", "lora"])
     rc = main(["federate", "--fraction", "0", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "fraction" in capsys.readouterr().err
+
+
+def test_server_side_bounds_and_insecure_flag_reach_the_runner(tmp_path, monkeypatch):
+    args = build_parser().parse_args(
+        ["federate", "--max-update-norm", "2.5", "--update-norm-policy", "reject", "--aggregation", "trimmed_mean",
+         "--trim-fraction", "0.25"]  # fmt: skip
+    )
+    cfg = config_from_args(args)
+    assert (cfg.max_update_norm, cfg.update_norm_policy, cfg.aggregation, cfg.trim_fraction) == (
+        2.5, "reject", "trimmed_mean", 0.25,
+    )  # fmt: skip
+    seen = {}
+
+    def fake_run_flower(cfg, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    from peft_lalora.federated import launcher
+
+    monkeypatch.setattr(launcher, "run_flower", fake_run_flower)
+    assert main(["federate", "--runner", "flower", "--out", str(tmp_path / "x.json")]) == 2
+    assert seen["insecure"] is False  # secure (TLS + SuperNode auth) unless asked
+    main(["federate", "--runner", "flower", "--insecure", "--out", str(tmp_path / "x.json")])
+    assert seen["insecure"] is True

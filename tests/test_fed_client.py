@@ -237,10 +237,6 @@ def test_history_helpers():
     assert epsilon_from_history([(1.1, 0.05, 40)], DELTA) == pytest.approx(acc.get_epsilon(DELTA), rel=1e-12)
     with pytest.raises(ValueError, match="sample_rate"):
         normalize_history([(1.0, 0.0, 1)])
-    ledger = PrivacyLedger(DELTA)
-    ledger.record(0, [(1.0, 0.1, 5)])
-    with pytest.raises(ValueError, match="fewer"):
-        ledger.record(0, [(1.0, 0.1, 4)])
     with pytest.raises(ValueError, match="delta"):
         PrivacyLedger(0.0)
 
@@ -260,7 +256,9 @@ def test_config_validation_and_flat_round_trip():
     assert FederationConfig().reproducible_noise is False
     assert FederationConfig().client_config().reproducible_noise is False
     assert FederationConfig.from_dict({"reproducible-noise": "true"}).client_config().reproducible_noise is True
-    cfg = FederationConfig.from_dict({"num-clients": "3", "alpha": 1, "weighted": "false", "result-path": "/x"})
+    cfg = FederationConfig.from_dict(
+        {"num-clients": "3", "alpha": 1, "weighted": "false", "result-path": "/x"}, extra_keys=["result-path"]
+    )
     assert (cfg.num_clients, cfg.alpha, cfg.weighted) == (3, 1.0, False)
     assert isinstance(cfg.alpha, float)
     assert FederationConfig.from_dict(cfg.to_dict()) == cfg

@@ -49,7 +49,7 @@ def test_insecure_flag_builds_the_old_command_lines_and_warns(tmp_path):
     ]
     assert fed.supernode_command(1, 9101) == [
         "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{fed.port}",
-        "--node-config", "partition-id=1 num-partitions=2", "--host", "127.0.0.1", "--port", "9101",
+        "--node-config", "num-partitions=2", "--host", "127.0.0.1", "--port", "9101",
     ]
     assert fed.config_toml() == (
         f'[superlink]\ndefault = "lalora-local"\n\n[superlink.lalora-local]\n'
@@ -80,7 +80,7 @@ def test_secure_is_the_default_and_its_command_lines(tmp_path):
         "--root-certificates", str(cred / "ca.pem"),
         "--auth-supernode-private-key", str(cred / "supernode-0"),
         "--superlink", f"127.0.0.1:{fed.port}",
-        "--node-config", "partition-id=0 num-partitions=2", "--host", "127.0.0.1", "--port", "9100",
+        "--node-config", "num-partitions=2", "--host", "127.0.0.1", "--port", "9100",
     ]
     assert fed.config_toml().endswith(
         f'address = "127.0.0.1:{fed.port}"\nroot-certificates = "{cred / "ca.pem"}"\ninsecure = false\n'

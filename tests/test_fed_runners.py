@@ -160,8 +160,8 @@ def _marked_processes(marker: str) -> list[int]:
 def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypatch):
     """ServerApp + ClientApp + strategy driven in-process by a Grid that hands each message to the
     ClientApp (client caches cleared per message, as in the per-message processes of the deployment
-    engine): with fraction < 1 the partition-id handshake routes the seeded sample, and the result
-    equals the in-process simulation."""
+    engine): the server assigns partitions to node ids (sorted), routes the seeded sample of fraction < 1
+    to the assigned nodes, and the result equals the in-process simulation."""
     pytest.importorskip("flwr")
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid
@@ -207,21 +207,18 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     torch.set_num_threads(1)
     cfg = FederationConfig(**{**CFG, "num_clients": 3, "fraction": 0.67, "n_train": 72})
     run_config = {**cfg.to_dict(), "result-path": str(tmp_path / "r.json"), "state-path": str(tmp_path / "s.pt")}
-    node_ids = [101, 205, 309]  # arbitrary ids; partition ids are 0, 1, 2 in another order
-    pids = {101: 2, 205: 0, 309: 1}
+    node_ids = [309, 101, 205]  # arbitrary ids; the server assigns partitions 0, 1, 2 in sorted id order
+    pids = {101: 0, 205: 1, 309: 2}
     contexts = {
-        n: Context(
-            run_id=7, node_id=n, node_config={"partition-id": pids[n]}, state=RecordDict(), run_config=run_config
-        )
-        for n in node_ids
+        n: Context(run_id=7, node_id=n, node_config={}, state=RecordDict(), run_config=run_config) for n in node_ids
     }
     grid = LoopbackGrid(contexts)
     flower_app.server_app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
     sim = run_simulation(cfg, progress=False)
     final = torch.load(tmp_path / "s.pt")
     _assert_states_equal(final, sim.state)
-    # handshake: one query per node, then 2 train messages per round, to the nodes of the sampled partitions
-    assert [t for t, _ in grid.sent[:3]] == ["query"] * 3
+    # no handshake: 2 train messages per round, to the nodes the server assigned the sampled partitions
+    assert {t for t, _ in grid.sent} == {"train"}
     node_of = {p: n for n, p in pids.items()}
     trains = [n for t, n in grid.sent if t == "train"]
     assert trains == [node_of[p] for r in sim.rounds for p in r.clients]
@@ -232,16 +229,18 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     # replay protection survives the per-message rebuild: the node's context remembers its last round
     n_last = trains[-1]
     assert contexts[n_last].state.config_records["lalora-client"]["last-round"] == cfg.rounds
-    replay = _train_message(flower_app, final, cfg.rounds, n_last)
+    replay = _train_message(flower_app, final, cfg.rounds, n_last, partition=pids[n_last])
     flower_app._CLIENTS.clear()
     with pytest.raises(ReplayedRoundError, match=f"round {cfg.rounds} requested"):
         flower_app.client_app(replay, contexts[n_last])
 
 
-def _train_message(flower_app, state, server_round, node):
+def _train_message(flower_app, state, server_round, node, partition=None):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-    content = RecordDict({"arrays": ArrayRecord(state), "config": ConfigRecord({"server-round": server_round})})
+    pid = node - 1 if partition is None else partition
+    config = ConfigRecord({"server-round": server_round, "partition-id": pid})
+    content = RecordDict({"arrays": ArrayRecord(state), "config": config})
     return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
 
 
@@ -249,7 +248,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     """aggregate_train with only an error reply, a malformed reply and a NaN update keeps the previous
     global adapter, records every reason and the failure, and the next round aggregates again."""
     pytest.importorskip("flwr")
-    from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from peft_lalora.federated import flower_app
     from peft_lalora.federated.ledger import PrivacyLedger
@@ -259,7 +258,11 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     cfg = FederationConfig(**{**CFG, "num_clients": 3})
     g0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2)}
     ledger = PrivacyLedger(cfg.delta)
-    strategy = flower_app.LALoraStrategy(cfg, None, g0, ledger, nodes=[1, 2, 3])
+    strategy = flower_app.LALoraStrategy(
+        cfg, {0: 1, 1: 2, 2: 3}, g0, ledger, sizes=[10, 10, 10], privacy={p: (1.0, 0.1) for p in range(3)}
+    )
+    for rnd in (1, 2):
+        strategy.configure_train(rnd, ArrayRecord(g0), ConfigRecord(), grid=None)
 
     def reply(node, state, pid, steps=2, **drop):
         metrics = {"partition-id": pid, "num-examples": 10, "train-loss": 0.5, "epsilon": 1.0,
@@ -281,8 +284,9 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     rec = strategy.records[-1]
     assert rec["error"].startswith("aggregation failed, global state kept")
     reasons = " | ".join(r["reason"] for r in rec["rejected"])
-    assert "client crashed" in reasons and "malformed reply" in reasons and "non-finite" in reasons
+    assert "client crashed" in reasons and "rejected reply (KeyError" in reasons and "non-finite" in reasons
     assert ledger.clients[2].steps == 2, "the rejected NaN update still spent privacy"
+    assert ledger.clients[0].charged_steps == 2 * cfg.local_steps, "the crashed client is charged what it was sent"
     new = {k: v + 1 for k, v in g0.items()}
     arrays, metrics = strategy.aggregate_train(2, [reply(1, new, 0), reply(2, new, 1, steps=4)])
     _assert_states_equal(arrays.to_torch_state_dict(), new)
@@ -305,6 +309,6 @@ def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     ok, errors, _ = validate_config(pyproject, check_module=False)
     assert ok, errors
     run_config = pyproject["tool"]["flwr"]["app"]["config"]
-    assert FederationConfig.from_dict(run_config) == cfg
+    assert FederationConfig.from_dict(run_config, extra_keys=["result-path"]) == cfg
     source = (app / f"{APP_MODULE}.py").read_text()
     assert "client_app = ClientApp()" in source and "\nfrom ." not in source  # standalone: absolute imports only

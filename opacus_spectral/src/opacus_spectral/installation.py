@@ -154,12 +154,19 @@ class PostHookHandle:
             return
         if not self.pipeline.denoisers:
             return  # nobody saw the gradients: p.grad stays as Opacus made it (bit-identical, no copy)
-        # Fresh memory for every p.grad. The tensors the denoisers saw (and may keep, or returned from their
-        # own state) are never written again: with zero_grad(set_to_none=False) the next backward accumulates
-        # the next batch's *clean* gradient into p.grad's memory, which no denoiser can then reach.
-        # It keeps the parameter's memory layout (autograd accumulates into p.grad on the next backward).
-        for p, g in zip(params, out):
-            p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
+        install_fresh_grads(params, out)
+
+
+def install_fresh_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """``p.grad = copy of g`` in fresh memory, in the parameter's memory layout.
+
+    The tensors the denoisers saw (and may keep, or returned from their own state) are never written again:
+    with ``zero_grad(set_to_none=False)`` the next backward accumulates the next batch's *clean* gradient into
+    ``p.grad``'s memory, which no denoiser can then reach. (The layout matters: autograd accumulates into
+    ``p.grad`` on the next backward.)
+    """
+    for p, g in zip(params, grads, strict=True):
+        p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 def _check_supported(dp_optimizer: Any) -> None:

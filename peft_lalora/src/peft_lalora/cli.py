@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     f.add_argument("--max-grad-norm", type=float, default=1.0)
     f.add_argument("--server-lr", type=float, default=1.0)
+    f.add_argument(
+        "--max-update-norm",
+        type=float,
+        default=0.0,
+        help="server-side bound on each client's update norm ||state - global|| (0: no bound)",
+    )
+    f.add_argument("--update-norm-policy", choices=["clip", "reject"], default="clip")
+    f.add_argument(
+        "--aggregation",
+        choices=["mean", "trimmed_mean"],
+        default="mean",
+        help="weighted FedAvg, or Flower's coordinate-wise trimmed mean (robust to outlier clients)",
+    )
+    f.add_argument("--trim-fraction", type=float, default=0.1, help="trimmed_mean: share cut at each end")
     f.add_argument("--rank", type=_positive_int, default=4)
     f.add_argument("--lora-alpha", type=int, default=8)
     f.add_argument("--first-factor", choices=["B", "A"], default="B")
@@ -92,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden states (needs --frozen-layers >= 1)",
     )
     f.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
+    f.add_argument(
+        "--insecure",
+        action="store_true",
+        help="flower runner: no TLS and no SuperNode authentication (local testing only; see docs/deployment.md)",
+    )
     f.add_argument("--threads", type=int, default=0, help="torch threads per process (0: leave default)")
     f.add_argument("--timeout", type=float, default=3600.0, help="flower runner: seconds before giving up")
     f.add_argument("--out", type=Path, default=Path("results.json"))
@@ -115,6 +134,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         local_steps=args.local_steps,
         fraction=args.fraction,
         server_lr=args.server_lr,
+        max_update_norm=args.max_update_norm,
+        update_norm_policy=args.update_norm_policy,
+        aggregation=args.aggregation,
+        trim_fraction=args.trim_fraction,
         batch_size=args.batch_size,
         lr=args.lr,
         optimizer=args.optimizer,
@@ -144,7 +167,7 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
     if args.runner == "flower":
         from .federated.launcher import run_flower
 
-        out = run_flower(cfg, threads=args.threads, timeout=args.timeout)
+        out = run_flower(cfg, threads=args.threads, timeout=args.timeout, insecure=args.insecure)
     else:
         import torch
 

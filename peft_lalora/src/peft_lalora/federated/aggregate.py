@@ -13,6 +13,19 @@ learning rate η (FedOpt-style server SGD on the pseudo-gradient ``Δ = avg - gl
 η = 1 is plain FedAvg. Updates are validated first (keys, shapes, dtypes, finiteness, weight); a bad
 update is dropped with its reason, the rest are averaged if at least ``min_clients`` remain. The inputs
 are never written to: the output tensors are freshly allocated.
+
+Server-side bounds on what a client can do to the global adapter (a client's update is its state minus the
+global state, over all tensors):
+
+* ``max_update_norm``: an update longer than this is clipped to it (``update_norm_policy="clip"``, like the
+  update clipping of Flower's ``DifferentialPrivacyServerSideFixedClipping``) or dropped with its norm as the
+  reason (``"reject"``);
+* ``rule="trimmed_mean"``: coordinate-wise trimmed mean (Flower's ``FedTrimmedAvg``; its ``trim_mean`` is used):
+  the ``trim_fraction`` largest and smallest values of every coordinate are discarded, the rest averaged
+  without weights — an outlier cannot move a coordinate beyond the honest clients' range;
+* a result that overflows the state's dtype (e.g. clients sending 3e38) fails the round instead of becoming Inf.
+
+Weights are the caller's: a runner passes the example counts *it* assigned, never counts a client reports.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ class AggregationResult:
         rejected: the dropped updates with their reasons.
         weights: normalised weights of ``accepted`` (sum to 1).
         factors: number of tensors aggregated per group ``{"A": .., "B": .., "other": ..}``.
+        clipped: ids of the clients whose update was clipped to ``max_update_norm``.
     """
 
     state: dict[str, torch.Tensor]
@@ -66,6 +80,7 @@ class AggregationResult:
     rejected: list[Rejection] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     factors: dict[str, int] = field(default_factory=dict)
+    clipped: list[Any] = field(default_factory=list)  #: clients whose update was scaled down to max_update_norm
 
 
 class AggregationError(ValueError):
@@ -117,6 +132,10 @@ def validate_update(state: Any, reference: Mapping[str, torch.Tensor], weight: f
     return None
 
 
+RULES = ("mean", "trimmed_mean")
+NORM_POLICIES = ("clip", "reject")
+
+
 def fedavg(
     states: Sequence[State],
     weights: Sequence[float] | None = None,
@@ -125,6 +144,10 @@ def fedavg(
     global_state: State | None = None,
     min_clients: int = 1,
     client_ids: Sequence[Any] | None = None,
+    max_update_norm: float | None = None,
+    update_norm_policy: str = "clip",
+    rule: str = "mean",
+    trim_fraction: float = 0.1,
 ) -> AggregationResult:
     """Weighted per-tensor FedAvg of adapter states (LoRA A, B and every other trainable tensor).
 
@@ -138,6 +161,11 @@ def fedavg(
             Without it the reference is the (key, shape, dtype) signature most clients share.
         min_clients: minimum number of valid updates; fewer raises :class:`AggregationError`.
         client_ids: labels for the rejection reasons (default: positions).
+        max_update_norm: bound on ``‖state − global_state‖₂`` over all tensors (needs ``global_state``);
+            ``None``: no bound.
+        update_norm_policy: ``"clip"`` (scale a longer update down to the bound) or ``"reject"`` (drop it).
+        rule: ``"mean"`` (weighted FedAvg) or ``"trimmed_mean"`` (coordinate-wise, unweighted).
+        trim_fraction: share of clients trimmed at *each* end per coordinate, in [0, 0.5).
 
     Returns:
         :class:`AggregationResult` with the new state and the rejections.
@@ -158,6 +186,17 @@ def fedavg(
         raise ValueError(f"server_lr must be finite and > 0, got {server_lr!r}")
     if server_lr != 1.0 and global_state is None:
         raise ValueError("server_lr != 1 needs global_state (the update is global + server_lr * (avg - global))")
+    if max_update_norm is not None:
+        if not (isinstance(max_update_norm, (int, float)) and math.isfinite(max_update_norm) and max_update_norm > 0):
+            raise ValueError(f"max_update_norm must be finite and > 0 or None, got {max_update_norm!r}")
+        if global_state is None:
+            raise ValueError("max_update_norm needs global_state (an update is state - global_state)")
+    if update_norm_policy not in NORM_POLICIES:
+        raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}, got {update_norm_policy!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if not (isinstance(trim_fraction, (int, float)) and 0.0 <= trim_fraction < 0.5):
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
     ids = list(client_ids) if client_ids is not None else list(range(n))
     w_in = (
         [1.0] * n
@@ -206,17 +245,37 @@ def fedavg(
         )
 
     keys = list(reference)
-    total = math.fsum(w_in[i] for i in accepted)
-    norm_w = [w_in[i] / total for i in accepted]
     dev = reference[keys[0]].device
-    # One [m, D] float64 matrix for all tensors of all accepted clients, one mat-vec for the mean.
+    # One [m, D] float64 matrix for all tensors of all accepted clients.
     mat = torch.stack(
         [torch.cat([states[i][k].detach().to(dev, torch.float64).reshape(-1) for k in keys]) for i in accepted]
     )
-    # Σ w_i x_i / Σ w_i: dividing last keeps exact results for integer weights and values.
-    avg = (torch.tensor([w_in[i] for i in accepted], dtype=torch.float64, device=dev) @ mat) / total
-    if global_state is not None and server_lr != 1.0:
-        g = torch.cat([global_state[k].detach().to(dev, torch.float64).reshape(-1) for k in keys])
+    g = (
+        torch.cat([global_state[k].detach().to(dev, torch.float64).reshape(-1) for k in keys])
+        if global_state is not None
+        else None
+    )
+    if max_update_norm is not None and g is not None:
+        accepted, mat, clipped = _bound_updates(
+            accepted, mat, g, float(max_update_norm), update_norm_policy, ids, rejected
+        )
+        if len(accepted) < min_clients:
+            detail = "; ".join(f"client {r.client}: {r.reason}" for r in rejected)
+            raise AggregationError(
+                f"only {len(accepted)} update(s) within max_update_norm, need min_clients={min_clients} ({detail})",
+                rejected,
+            )
+    else:
+        clipped = []
+    total = math.fsum(w_in[i] for i in accepted)
+    norm_w = [w_in[i] / total for i in accepted]
+    if rule == "trimmed_mean":
+        avg = _trimmed_mean(mat, trim_fraction)
+        norm_w = [1.0 / len(accepted)] * len(accepted)
+    else:
+        # Σ w_i x_i / Σ w_i: dividing last keeps exact results for integer weights and values.
+        avg = (torch.tensor([w_in[i] for i in accepted], dtype=torch.float64, device=dev) @ mat) / total
+    if g is not None and server_lr != 1.0:
         avg = g + server_lr * (avg - g)
     out: dict[str, torch.Tensor] = {}
     offset = 0
@@ -225,5 +284,49 @@ def fedavg(
         numel = ref.numel()
         out[k] = avg[offset : offset + numel].reshape(ref.shape).to(device=ref.device, dtype=ref.dtype).clone()
         offset += numel
+    overflow = [k for k in keys if not bool(torch.isfinite(out[k]).all())]
+    if overflow:
+        raise AggregationError(
+            f"the aggregate of {len(accepted)} finite updates overflows {reference[overflow[0]].dtype} in "
+            f"{overflow[:5]}: refusing to install an Inf global state (set max_update_norm to bound updates)",
+            rejected,
+        )
     factors = dict(Counter(factor_of(k) for k in keys))
-    return AggregationResult(state=out, accepted=accepted, rejected=rejected, weights=norm_w, factors=factors)
+    return AggregationResult(
+        state=out, accepted=accepted, rejected=rejected, weights=norm_w, factors=factors, clipped=clipped
+    )
+
+
+def _bound_updates(
+    accepted: list[int],
+    mat: torch.Tensor,
+    g: torch.Tensor,
+    bound: float,
+    policy: str,
+    ids: Sequence[Any],
+    rejected: list[Rejection],
+) -> tuple[list[int], torch.Tensor, list[Any]]:
+    """Clip (or drop) the rows of ``mat`` whose update ``row − g`` is longer than ``bound``."""
+    delta = mat - g
+    norms = torch.linalg.vector_norm(delta, dim=1)
+    over = (norms > bound).tolist()
+    if not any(over):
+        return accepted, mat, []
+    if policy == "clip":
+        scale = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
+        return accepted, g + delta * scale[:, None], [ids[i] for i, o in zip(accepted, over, strict=True) if o]
+    keep = [j for j, o in enumerate(over) if not o]
+    for j, o in enumerate(over):
+        if o:
+            reason = f"update norm {float(norms[j]):.4g} exceeds max_update_norm={bound:g}"
+            rejected.append(Rejection(accepted[j], ids[accepted[j]], reason))
+    return [accepted[j] for j in keep], mat[keep], []
+
+
+def _trimmed_mean(mat: torch.Tensor, trim_fraction: float) -> torch.Tensor:
+    """Coordinate-wise trimmed mean of the rows of ``mat`` with Flower's ``trim_mean`` (``FedTrimmedAvg``)."""
+    try:
+        from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+    except ImportError as err:  # pragma: no cover - flwr is the [flower] extra
+        raise ImportError("rule='trimmed_mean' uses Flower's trim_mean: pip install 'peft-lalora[flower]'") from err
+    return torch.from_numpy(trim_mean(mat.cpu().numpy(), trim_fraction)).to(mat.device)

@@ -58,6 +58,7 @@ __all__ = [
     "ReproducibleNoiseWarning",
     "adapter_state",
     "load_adapter_state",
+    "privacy_parameters",
     "round_seeds",
     "sequence_classification_loss",
     "trainable_parameters",
@@ -224,6 +225,28 @@ class ClientUpdate:
     sample_rate: float
 
 
+def privacy_parameters(config: ClientConfig, num_examples: int) -> tuple[float, float]:
+    """(σ, q) of a client with ``num_examples`` examples: q = 1 / ⌈n / min(B, n)⌉ (Opacus' Poisson rate for its
+    loader) and σ as given or calibrated from ``target_epsilon`` over ``planned_steps``. The server computes the
+    same numbers to charge its privacy ledger without trusting the client's report."""
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    batch = min(config.batch_size, num_examples)
+    q = 1.0 / math.ceil(num_examples / batch)
+    if config.noise_multiplier is not None:
+        return float(config.noise_multiplier), q
+    from opacus.accountants.utils import get_noise_multiplier
+
+    sigma = get_noise_multiplier(
+        target_epsilon=config.target_epsilon,
+        target_delta=config.delta,
+        sample_rate=q,
+        steps=config.planned_steps,
+        accountant=config.accountant,
+    )
+    return float(sigma), q
+
+
 # ----------------------------------------------------------------------------------------------- client
 class DPClient:
     """One DP federated client (see module docstring).
@@ -251,7 +274,6 @@ class DPClient:
         seed: int = 0,
         loss_fn: LossFn = sequence_classification_loss,
     ) -> None:
-        from opacus.accountants.utils import get_noise_multiplier
         from peft import PeftModel, get_peft_model
 
         import opacus_spectral
@@ -304,19 +326,7 @@ class DPClient:
         loader = torch.utils.data.DataLoader(
             train_data, batch_size=min(config.batch_size, self.num_examples), shuffle=False, generator=self._sampler_gen
         )
-        self.sample_rate = 1.0 / len(loader)
-        if config.noise_multiplier is not None:
-            sigma = float(config.noise_multiplier)
-        else:
-            sigma = float(
-                get_noise_multiplier(
-                    target_epsilon=config.target_epsilon,
-                    target_delta=config.delta,
-                    sample_rate=self.sample_rate,
-                    steps=config.planned_steps,
-                    accountant=config.accountant,
-                )
-            )
+        sigma, self.sample_rate = privacy_parameters(config, self.num_examples)
         self.noise_multiplier = sigma
         self.engine = opacus_spectral.PrivacyEngine(accountant=config.accountant, secure_mode=config.secure_mode)
         self.module, self.optimizer, self.loader = self.engine.make_private(

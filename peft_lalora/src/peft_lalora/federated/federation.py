@@ -91,7 +91,12 @@ class FederationConfig:
     fraction: float = 1.0  #: fraction of clients sampled per round
     min_clients: int = 1
     server_lr: float = 1.0
-    weighted: bool = True  #: weight FedAvg by examples (else uniform)
+    weighted: bool = True  #: weight FedAvg by the examples the server assigned (else uniform)
+    #: server-side bound on ‖client state − global state‖₂ (0 = none); see :func:`~.aggregate.fedavg`
+    max_update_norm: float = 0.0
+    update_norm_policy: str = "clip"  #: "clip" or "reject" updates longer than max_update_norm
+    aggregation: str = "mean"  #: "mean" (weighted FedAvg) or "trimmed_mean" (coordinate-wise, Flower's)
+    trim_fraction: float = 0.1  #: share trimmed at each end per coordinate (aggregation="trimmed_mean")
     batch_size: int = 16
     lr: float = 5e-3
     optimizer: str = "adamw"
@@ -146,6 +151,16 @@ class FederationConfig:
             )
         if self.min_clients > self.num_clients:
             raise ValueError(f"min_clients={self.min_clients} > num_clients={self.num_clients}")
+        if not self.max_update_norm >= 0:
+            raise ValueError(f"max_update_norm must be >= 0 (0 = no bound), got {self.max_update_norm}")
+        from .aggregate import NORM_POLICIES, RULES
+
+        if self.update_norm_policy not in NORM_POLICIES:
+            raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}, got {self.update_norm_policy!r}")
+        if self.aggregation not in RULES:
+            raise ValueError(f"aggregation must be one of {RULES}, got {self.aggregation!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
 
     @property
     def alternation(self) -> str:
@@ -165,9 +180,23 @@ class FederationConfig:
         return {k: getattr(self, k) for k in keys}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FederationConfig:
-        """Build from a (Flower run_config-like) mapping; unknown keys are ignored, '-' == '_', values cast."""
+    def from_dict(cls, d: Mapping[str, Any], *, extra_keys: Sequence[str] = ()) -> FederationConfig:
+        """Build from a (Flower run_config-like) mapping: '-' == '_', values cast to the field's type.
+
+        An unknown key is an error (a typo such as ``noise-multiplyer`` would otherwise silently fall back to
+        the default); ``extra_keys`` are keys the caller handles itself (e.g. the Flower app's ``result-path``).
+        """
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        extra = {k.replace("-", "_") for k in extra_keys}
+        unknown = sorted(k for k in d if k.replace("-", "_") not in fields and k.replace("-", "_") not in extra)
+        if unknown:
+            import difflib
+
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k.replace("-", "_"), list(fields), n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""))
+            raise ValueError(f"unknown federation config key(s): {', '.join(hints)}")
         kw: dict[str, Any] = {}
         for k, v in d.items():
             name = k.replace("-", "_")
@@ -435,7 +464,9 @@ def aggregate_updates(
     num_examples: Sequence[int],
     client_ids: Sequence[int],
 ) -> Any:
-    """FedAvg of the round's updates in client-id order (same float sums in every runner)."""
+    """FedAvg of the round's updates in client-id order (same float sums in every runner).
+
+    ``num_examples`` must be the sizes the *server* assigned (``partition.sizes``), never client reports."""
     from .aggregate import fedavg
 
     order = sorted(range(len(client_ids)), key=lambda i: client_ids[i])
@@ -446,4 +477,8 @@ def aggregate_updates(
         global_state=global_state,
         min_clients=cfg.min_clients,
         client_ids=[client_ids[i] for i in order],
+        max_update_norm=cfg.max_update_norm or None,
+        update_norm_policy=cfg.update_norm_policy,
+        rule=cfg.aggregation,
+        trim_fraction=cfg.trim_fraction,
     )

@@ -6,17 +6,22 @@ described by a :class:`~peft_lalora.federated.federation.FederationConfig` passe
 
 Protocol:
 
-1. **handshake** (only with partial client sampling) — the server sends a ``query`` message to every
-   node and gets back its ``partition-id``, so the seeded sample of :func:`sample_clients` (partition
-   ids) can be routed to node ids; with full participation every node gets every train message and the
-   replies identify their partition;
-2. **rounds** — :meth:`Strategy.start`: ``train`` messages carry the global adapter (``ArrayRecord``)
-   and the round; replies carry the client's adapter, ``num-examples``, ``partition-id``, its ε and its
-   accountant history (``dp-sigma`` / ``dp-q`` / ``dp-steps``) for the server's privacy ledger;
-   ``aggregate_train`` runs :func:`aggregate_updates` (validation + FedAvg of A, B and head);
-   centralized evaluation on the server's test set after every round. A round in which every reply
-   failed, was malformed or was rejected keeps the previous global adapter and records why (``error``
-   and ``rejected`` in its result record); the run goes on.
+1. **assignment** — the server assigns partitions to the connected node ids (:func:`assign_partitions`:
+   sorted node ids get partitions 0..N-1) and never asks a node which partition it is: a node cannot claim
+   another node's partition (or its weight, or its place in the privacy ledger);
+2. **rounds** — :meth:`Strategy.start`: ``train`` messages carry the global adapter (``ArrayRecord``), the
+   round and the *assigned* ``partition-id``; a node trains on that partition (a node whose own
+   ``node_config`` names a different partition refuses, an error reply). Replies are attributed by the
+   sending node id (which Flower's transport, with SuperNode authentication, vouches for), never by what
+   they say: a reply from a node that was not sent this round's message, a second reply from a node, or one
+   whose self-reported ``partition-id``/``num-examples`` disagrees with the assignment is rejected with
+   its reason. FedAvg weights are the partition sizes the server computed. Privacy: the server charges
+   each sampled partition's (σ, q, local steps) to its ledger when it sends the message, and adds the
+   accountant history the reply carries (``dp-sigma`` / ``dp-q`` / ``dp-steps``); the reported ε is the
+   larger of the two (:mod:`.ledger`). ``aggregate_train`` runs :func:`aggregate_updates` (validation,
+   update-norm bound, FedAvg of A, B and head); centralized evaluation on the server's test set after every
+   round. A round in which every reply failed, was malformed or was rejected keeps the previous global
+   adapter and records why (``error`` and ``rejected`` in its result record); the run goes on.
 
 The deployment engine starts a fresh ClientApp process per message, so a client is rebuilt every
 round; its accountant history and the last round it ran are kept in ``context.state`` (they never leave
@@ -42,7 +47,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 # Only flwr and the standard library at import time: the launcher copies this file into the Flower app
-# as a top-level module, so that the handshake's ClientApp processes start in about a second; torch
+# as a top-level module, so that the per-message ClientApp processes start quickly; torch
 # and peft_lalora are imported (with absolute imports) inside the handlers that need them.
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -50,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from peft_lalora.federated.federation import FederationConfig
     from peft_lalora.federated.ledger import PrivacyLedger
 
-__all__ = ["LALoraStrategy", "client_app", "server_app"]
+__all__ = ["LALoraStrategy", "assign_partitions", "client_app", "server_app"]
 
 _STATE_KEY = "lalora-client"
 #: run_config keys that are not FederationConfig fields
@@ -71,6 +76,12 @@ def _set_threads(context: Context) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _config(context: Context) -> FederationConfig:
+    from peft_lalora.federated.federation import FederationConfig
+
+    return FederationConfig.from_dict(context.run_config, extra_keys=(RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY))
 
 
 # ================================================================================================ client
@@ -102,16 +113,21 @@ def _history(record: Any) -> list[tuple[float, float, int]]:
     return [(s, r, int(n)) for s, r, n in zip(sigma, q, steps, strict=True)]
 
 
-def _partition_id(context: Context) -> int:
-    if "partition-id" not in context.node_config:
-        raise ValueError("SuperNode needs --node-config 'partition-id=<i> num-partitions=<n>'")
-    return int(context.node_config["partition-id"])
+def _assigned_partition(msg: Message, context: Context) -> int:
+    """The partition the server assigned in ``msg``; a node configured for another partition refuses."""
+    pid = int(_number(msg.content.config_records["config"], "partition-id"))
+    own = context.node_config.get("partition-id")
+    if own is not None and int(own) != pid:
+        raise ValueError(
+            f"the server assigned partition {pid} but this SuperNode is configured for partition-id={own}; "
+            "partitions are assigned by the server: drop partition-id from --node-config"
+        )
+    return pid
 
 
-def _client_for(cfg: FederationConfig, context: Context) -> Any:
+def _client_for(cfg: FederationConfig, context: Context, pid: int) -> Any:
     from peft_lalora.federated.federation import build_client, build_partition, build_task
 
-    pid = _partition_id(context)
     key = (int(context.run_id), pid)
     client = _CLIENTS.get(key)
     if client is None:
@@ -120,6 +136,11 @@ def _client_for(cfg: FederationConfig, context: Context) -> Any:
         client = build_client(cfg, task, partition, pid)
         saved = context.state.config_records.get(_STATE_KEY)
         if saved is not None:
+            if int(_number(saved, "partition-id")) != pid:
+                raise ValueError(
+                    f"this node trained partition {int(_number(saved, 'partition-id'))} earlier in the run and is now "
+                    f"assigned partition {pid}; a node keeps its partition for the whole run"
+                )
             client.load_state_dict(
                 {
                     "history": _history(saved),
@@ -132,21 +153,13 @@ def _client_for(cfg: FederationConfig, context: Context) -> Any:
     return client
 
 
-@client_app.query()
-def _query(msg: Message, context: Context) -> Message:
-    """Handshake: report this node's partition id."""
-    pid = _partition_id(context)
-    return Message(RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
-
-
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
     """One DP round on this node's partition, starting from the received global adapter."""
-    from peft_lalora.federated.federation import FederationConfig
-
     _set_threads(context)
-    cfg = FederationConfig.from_dict(context.run_config)
-    client = _client_for(cfg, context)
+    cfg = _config(context)
+    pid = _assigned_partition(msg, context)
+    client = _client_for(cfg, context, pid)
     global_state = msg.content.array_records["arrays"].to_torch_state_dict()
     round_index = int(_number(msg.content.config_records["config"], "server-round"))
     update = client.fit(global_state, round_index)
@@ -156,6 +169,7 @@ def _train(msg: Message, context: Context) -> Message:
             "dp-sigma": [h[0] for h in hist],
             "dp-q": [h[1] for h in hist],
             "dp-steps": [h[2] for h in hist],
+            "partition-id": pid,
             "rounds-run": client.rounds_run,
             "total-steps": client.total_steps,
             "last-round": client.last_round,
@@ -177,25 +191,26 @@ def _train(msg: Message, context: Context) -> Message:
 
 # ================================================================================================ server
 class LALoraStrategy(FedAvg):
-    """FedAvg over LALoRA adapters with validation, seeded partition-id sampling and a privacy ledger.
+    """FedAvg over LALoRA adapters with server-side partition assignment, validation and a privacy ledger.
 
     Args:
         cfg: the run.
-        node_of: ``{partition_id: node_id}`` from the handshake, or ``None`` when every client trains
-            every round (then all ``nodes`` get every train message and the replies say who is who).
-        nodes: the connected node ids (used when ``node_of`` is ``None``).
+        node_of: ``{partition_id: node_id}`` as the server assigned it (:func:`assign_partitions`).
         global_state: the initial global adapter (the strategy tracks the current one, because the
             server learning rate and the validation need it).
-        ledger: per-client privacy ledger (updated from the replies).
+        ledger: per-client privacy ledger (charged when a message is sent, updated from the replies).
+        sizes: the number of examples of every partition, as the server computed them (FedAvg weights).
+        privacy: ``{partition_id: (σ, q)}`` as the server computes them (:func:`.client.privacy_parameters`).
     """
 
     def __init__(
         self,
         cfg: FederationConfig,
-        node_of: dict[int, int] | None,
+        node_of: dict[int, int],
         global_state: dict[str, torch.Tensor],
         ledger: PrivacyLedger,
-        nodes: list[int] | None = None,
+        sizes: list[int],
+        privacy: dict[int, tuple[float, float]],
     ) -> None:
         super().__init__(
             fraction_train=cfg.fraction,
@@ -204,14 +219,19 @@ class LALoraStrategy(FedAvg):
             min_evaluate_nodes=0,
             min_available_nodes=cfg.num_clients,
         )
+        if sorted(node_of) != list(range(cfg.num_clients)) or len(set(node_of.values())) != cfg.num_clients:
+            raise ValueError(f"node_of must map partitions 0..{cfg.num_clients - 1} to distinct nodes, got {node_of}")
+        if len(sizes) != cfg.num_clients or sorted(privacy) != list(range(cfg.num_clients)):
+            raise ValueError("sizes and privacy must cover every partition")
         self.cfg = cfg
-        if node_of is None and (nodes is None or len(nodes) != cfg.num_clients):
-            raise ValueError("without a handshake (node_of=None) exactly num_clients nodes must be given")
-        self.node_of = None if node_of is None else dict(node_of)
-        self.nodes = list(nodes or [])
+        self.node_of = dict(node_of)
+        self.partition_of = {n: p for p, n in self.node_of.items()}
+        self.sizes = list(sizes)
+        self.privacy = dict(privacy)
         self.global_state = dict(global_state)
         self.ledger = ledger
         self.records: list[dict[str, Any]] = []
+        self._expected: dict[int, set[int]] = {}  #: round -> partitions sent a train message
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -219,56 +239,77 @@ class LALoraStrategy(FedAvg):
         from peft_lalora.federated.federation import sample_clients
 
         sampled = sample_clients(self.cfg, server_round)
-        cfg_record = ConfigRecord(dict(config))
-        cfg_record["server-round"] = server_round
-        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg_record})
         _log(INFO, "configure_train: round %s, partitions %s", server_round, sampled)
-        if self.node_of is None:  # every partition trains: address every node
-            if len(sampled) != len(self.nodes):
-                raise RuntimeError("partial client sampling needs the partition-id handshake")
-            return self._construct_messages(record, self.nodes, MessageType.TRAIN)
-        return self._construct_messages(record, [self.node_of[p] for p in sampled], MessageType.TRAIN)
+        self._expected[server_round] = set(sampled)
+        messages = []
+        for pid in sampled:
+            cfg_record = ConfigRecord(dict(config))
+            cfg_record["server-round"] = server_round
+            cfg_record["partition-id"] = pid
+            content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg_record})
+            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=self.node_of[pid]))
+            sigma, q = self.privacy[pid]
+            self.ledger.charge(pid, sigma, q, self.cfg.local_steps)  # spent once sent, whatever comes back
+        return messages
+
+    def _attribute(self, server_round: int, msg: Message, seen: set[int]) -> int:
+        """The partition a reply belongs to, from its sender's node id; ``ValueError`` if it is not admissible."""
+        src = msg.metadata.src_node_id
+        pid = self.partition_of.get(src)
+        if pid is None or pid not in self._expected.get(server_round, set()):
+            raise ValueError(f"reply from node {src}, which was not sent a train message for round {server_round}")
+        if pid in seen:
+            raise ValueError(f"second reply from node {src} (partition {pid}) in round {server_round}")
+        seen.add(pid)
+        return pid
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """FedAvg of the valid replies. Error replies, malformed replies and invalid updates are dropped
-        with their reasons; if none is left (``AggregationError``) the previous global adapter is kept and
-        the round's record carries ``error`` — one bad round does not end the run."""
+        """FedAvg of the valid replies. Error replies, malformed or inconsistent replies and invalid updates are
+        dropped with their reasons; if none is left (``AggregationError``) the previous global adapter is kept
+        and the round's record carries ``error`` — one bad round does not end the run."""
         from peft_lalora.federated.aggregate import AggregationError
         from peft_lalora.federated.federation import aggregate_updates
 
-        states, sizes, ids, losses = [], [], [], []
-        errors = []
+        states, ids, losses = [], [], []
+        errors: list[tuple[int | None, str]] = []
+        seen: set[int] = set()
         for msg in replies:
             src = msg.metadata.src_node_id
+            try:
+                pid = self._attribute(server_round, msg, seen)
+            except ValueError as err:
+                errors.append((None, str(err)))
+                continue
             if msg.has_error():
-                errors.append(f"node {src}: {msg.error.reason}")
+                errors.append((pid, f"node {src}: {msg.error.reason}"))
                 continue
             try:  # replies are remote input: any malformed field rejects that reply only
                 m = next(iter(msg.content.metric_records.values()))
                 a = next(iter(msg.content.array_records.values()))
-                pid = int(_number(m, "partition-id"))
-                if pid in ids:
-                    errors.append(f"node {src}: duplicate partition-id {pid} (update ignored)")
-                    continue
+                self.ledger.record(pid, _history(m))  # privacy was spent even if the update is rejected below
+                claimed = int(_number(m, "partition-id"))
+                if claimed != pid:
+                    raise ValueError(f"claims partition {claimed} but was assigned partition {pid}")
+                n = int(_number(m, "num-examples"))
+                if n != self.sizes[pid]:
+                    raise ValueError(f"claims {n} examples but partition {pid} has {self.sizes[pid]}")
                 state = a.to_torch_state_dict()
-                size = int(_number(m, "num-examples"))
                 loss = float(_number(m, "train-loss"))
-                hist = _history(m)
-                self.ledger.record(pid, hist)  # privacy was spent even if the update is rejected below
             except (StopIteration, KeyError, TypeError, ValueError) as err:
-                errors.append(f"node {src}: malformed reply ({type(err).__name__}: {err})")
+                errors.append((pid, f"node {src}: rejected reply ({type(err).__name__}: {err})"))
                 continue
             states.append(state)
-            sizes.append(size)
             ids.append(pid)
             losses.append(loss)
-        for e in errors:
-            _log(WARNING, "round %s: client error %s", server_round, e)
+        for _, e in errors:
+            _log(WARNING, "round %s: %s", server_round, e)
         error: str | None = None
         try:
-            result = aggregate_updates(self.cfg, self.global_state, states, sizes, ids)
+            if not states:
+                raise AggregationError("no valid reply", [])
+            result = aggregate_updates(self.cfg, self.global_state, states, [self.sizes[p] for p in ids], ids)
             rejected = result.rejected
             self.global_state = result.state
         except AggregationError as err:
@@ -281,10 +322,10 @@ class LALoraStrategy(FedAvg):
         self.records.append(
             {
                 "round": server_round,
-                "clients": sorted(ids),
+                "clients": sorted(self._expected.get(server_round, set())),
                 "train_loss": sum(good) / len(good) if good else math.nan,
                 "rejected": [{"client": r.client, "reason": r.reason} for r in rejected]
-                + [{"client": None, "reason": e} for e in errors],
+                + [{"client": c, "reason": e} for c, e in errors],
                 "max_epsilon": self.ledger.max_epsilon,
                 "error": error,
             }
@@ -299,6 +340,15 @@ class LALoraStrategy(FedAvg):
         return ArrayRecord(self.global_state), metrics
 
 
+def assign_partitions(nodes: Iterable[int], num_clients: int) -> dict[int, int]:
+    """``{partition_id: node_id}``: the i-th smallest node id trains partition i. Exactly ``num_clients`` nodes
+    must be connected: an extra node is refused rather than silently left out or given a partition."""
+    ordered = sorted(set(nodes))
+    if len(ordered) != num_clients:
+        raise ValueError(f"{len(ordered)} SuperNodes are connected but the run has {num_clients} partitions")
+    return dict(enumerate(ordered))
+
+
 def wait_for_nodes(grid: Grid, num_nodes: int, timeout: float = 120.0) -> list[int]:
     """Block until at least ``num_nodes`` SuperNodes are connected; return their ids."""
     t0 = time.monotonic()
@@ -307,29 +357,6 @@ def wait_for_nodes(grid: Grid, num_nodes: int, timeout: float = 120.0) -> list[i
             raise TimeoutError(f"only {len(nodes)} of {num_nodes} SuperNodes connected after {timeout:.0f}s")
         time.sleep(0.2)
     return sorted(nodes)
-
-
-def handshake(grid: Grid, nodes: list[int], num_clients: int, timeout: float = 120.0) -> dict[int, int]:
-    """Ask every node for its ``partition-id`` (a ``query`` message); return ``{partition_id: node_id}``."""
-    msgs = [
-        Message(
-            RecordDict({"config": ConfigRecord({"ask": "partition-id"})}), dst_node_id=n, message_type=MessageType.QUERY
-        )
-        for n in nodes
-    ]
-    replies = list(grid.send_and_receive(msgs, timeout=timeout))
-    node_of: dict[int, int] = {}
-    for r in replies:
-        if r.has_error():
-            raise RuntimeError(f"handshake failed on node {r.metadata.src_node_id}: {r.error.reason}")
-        pid = int(_number(next(iter(r.content.metric_records.values())), "partition-id"))
-        if pid in node_of:
-            raise ValueError(f"two SuperNodes claim partition-id {pid}")
-        node_of[pid] = r.metadata.src_node_id
-    missing = sorted(set(range(num_clients)) - set(node_of))
-    if missing:
-        raise ValueError(f"no SuperNode serves partition(s) {missing} (connected: {sorted(node_of)})")
-    return node_of
 
 
 server_app = ServerApp()
@@ -341,29 +368,20 @@ def _server_main(grid: Grid, context: Context) -> None:
     to ``result-path`` / ``state-path`` when given."""
     import torch
 
-    from peft_lalora.federated.federation import (
-        FederationConfig,
-        build_evaluator,
-        build_partition,
-        build_task,
-        noise_record,
-        sample_clients,
-    )
+    from peft_lalora.federated.client import privacy_parameters
+    from peft_lalora.federated.federation import build_evaluator, build_partition, build_task, noise_record
     from peft_lalora.federated.ledger import PrivacyLedger
     from peft_lalora.federated.simulation import FederationResult, RoundRecord
 
     t0 = time.perf_counter()
     _set_threads(context)
-    cfg = FederationConfig.from_dict(context.run_config)
+    cfg = _config(context)
     noise = noise_record(cfg)
     if cfg.reproducible_noise:
         _log(WARNING, "reproducible-noise is on: %s", noise["note"])
     nodes = wait_for_nodes(grid, cfg.num_clients)
-    # The handshake (one extra message round trip, i.e. one ClientApp process per node) is only needed
-    # to route a *partial* sample of partitions; with full participation the train replies identify
-    # their partition themselves.
-    full = len(sample_clients(cfg, 1)) == cfg.num_clients and len(nodes) == cfg.num_clients
-    node_of = None if full else handshake(grid, nodes, cfg.num_clients)
+    node_of = assign_partitions(nodes, cfg.num_clients)
+    _log(INFO, "partition assignment {partition: node}: %s", node_of)
     task = build_task(cfg)
     partition = build_partition(cfg, task)
     evaluator = build_evaluator(cfg, task)
@@ -371,7 +389,9 @@ def _server_main(grid: Grid, context: Context) -> None:
     ledger = PrivacyLedger(cfg.delta, cfg.accountant)
     for c in range(cfg.num_clients):
         ledger.register(c)
-    strategy = LALoraStrategy(cfg, node_of, initial_state, ledger, nodes)
+    client_cfg = cfg.client_config()
+    privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(partition.sizes)}
+    strategy = LALoraStrategy(cfg, node_of, initial_state, ledger, partition.sizes, privacy)
     evals: dict[int, dict[str, float]] = {}
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:

@@ -13,7 +13,7 @@ authentication by default, always torn down.
 * registers every SuperNode's public key with ``flwr supernode register <key.pub> lalora-local``
   **before** that node starts (an unregistered node's activation is refused and it exits), then starts
   N ``flower-supernode --root-certificates ca.pem --auth-supernode-private-key <key> --superlink
-  127.0.0.1:<port> --node-config 'partition-id=i num-partitions=N'``, each with its own runtime-API port
+  127.0.0.1:<port> --node-config 'num-partitions=N'`` (the ServerApp assigns each node its partition), each with its own runtime-API port
   on 127.0.0.1;
 
 and ``flwr run <app> lalora-local --stream`` against a connection in a private ``$FLWR_HOME/config.toml``
@@ -151,7 +151,7 @@ class LocalFederation:
     """A SuperLink and ``num_supernodes`` SuperNodes on 127.0.0.1 (use as a context manager).
 
     Args:
-        num_supernodes: one per partition (``partition-id`` 0..N-1).
+        num_supernodes: one per partition (the ServerApp assigns partitions 0..N-1 to the nodes it sees).
         workdir: where ``flwr_home/``, ``logs/``, ``credentials/`` go (default: a new temp dir).
         startup_timeout: seconds to wait for the SuperLink port.
         extra_env: added to every process's environment.
@@ -280,7 +280,7 @@ class LocalFederation:
         ]
 
     def supernode_command(self, index: int, port: int, private_key: Path | None = None) -> list[str]:
-        """``flower-supernode`` for partition ``index``: ``--root-certificates`` + its auth key, or
+        """``flower-supernode`` number ``index`` (its partition is assigned by the ServerApp): ``--root-certificates`` + its auth key, or
         ``--insecure``; the SuperNode's own runtime API listens on ``127.0.0.1:port``."""
         if self.tls is None:
             if private_key is not None:
@@ -299,7 +299,7 @@ class LocalFederation:
             "--superlink",
             f"127.0.0.1:{self.port}",
             "--node-config",
-            f"partition-id={index} num-partitions={self.num_supernodes}",
+            f"num-partitions={self.num_supernodes}",  # the server assigns each node its partition
             "--host",
             "127.0.0.1",
             "--port",

@@ -7,16 +7,26 @@ ledger keeps each client's accountant history — Opacus's compressed list of
 accountant of the same kind, so the numbers are reproducible from data that can be sent over the wire
 (the Flower runner does exactly that). This is record-level DP per client; it is *not* client-level DP
 (Flower's ``DifferentialPrivacy*`` wrappers), and the two are never mixed here.
+
+ε is never under-reported, whatever a client says:
+
+* **reports accumulate.** A client reports its cumulative history each round. A report that extends what is
+  recorded replaces it; one that does not (a reset accountant, a shorter or rewritten history) is *added* to
+  it — the conservative reading — and the anomaly is kept in :meth:`PrivacyLedger.report`.
+* **the server's own count is a floor.** :meth:`PrivacyLedger.charge` records what the server asked for (the
+  σ, q and number of steps of each train message it sent); a client's ε is the larger of the ε of its reports
+  and the ε of its charges. A client that crashed mid-round, lost its reply or lied is charged all the same.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClientPrivacy", "PrivacyLedger", "epsilon_from_history", "normalize_history"]
+__all__ = ["ClientPrivacy", "PrivacyLedger", "epsilon_from_history", "extends", "normalize_history"]
 
 HistoryEntry = tuple[float, float, int]
 
@@ -61,18 +71,42 @@ def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accou
     return float(acc.get_epsilon(delta=delta))
 
 
+def extends(history: Sequence[HistoryEntry], prefix: Sequence[HistoryEntry]) -> bool:
+    """Whether the (normalized) ``history`` continues ``prefix``: the same entries, the last one possibly with
+    more steps, then any further entries."""
+    if len(prefix) > len(history):
+        return False
+    for i, (old, new) in enumerate(zip(prefix, history)):
+        last = i == len(prefix) - 1
+        if old[:2] != new[:2] or (old[2] != new[2] and not (last and new[2] > old[2])):
+            return False
+    return True
+
+
 @dataclass
 class ClientPrivacy:
-    """What the ledger knows about one client."""
+    """What the ledger knows about one client.
+
+    ``history`` is what the client's reports add up to; ``charged`` is what the server asked of it;
+    ``epsilon`` is the larger of the two ε; ``anomalies`` says when the two disagreed or a report regressed.
+    """
 
     client: Any
     history: list[HistoryEntry] = field(default_factory=list)
+    charged: list[HistoryEntry] = field(default_factory=list)
     rounds: int = 0
     epsilon: float = 0.0
+    epsilon_reported: float = 0.0
+    epsilon_charged: float = 0.0
+    anomalies: list[str] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
         return sum(h[2] for h in self.history)
+
+    @property
+    def charged_steps(self) -> int:
+        return sum(h[2] for h in self.charged)
 
 
 class PrivacyLedger:
@@ -96,21 +130,36 @@ class PrivacyLedger:
         self._clients.setdefault(client, ClientPrivacy(client))
 
     def record(self, client: Any, history: Iterable[Sequence[float]], *, participated: bool = True) -> float:
-        """Replace ``client``'s cumulative accountant history (as its accountant holds it now) and return ε.
+        """Take ``client``'s cumulative accountant history as it reports it now; return its ε.
 
-        Histories only grow: a report with fewer steps than the previous one raises ``ValueError``
-        (a client that lost its accountant would otherwise under-report).
+        A report that extends the recorded history replaces it. Any other report is added to it (never
+        lowering ε) and noted in ``anomalies``, with a ``RuntimeWarning``.
         """
         hist = normalize_history(history)
         info = self._clients.setdefault(client, ClientPrivacy(client))
-        new_steps = sum(h[2] for h in hist)
-        if new_steps < info.steps:
-            raise ValueError(
-                f"client {client!r} reported {new_steps} DP steps, fewer than the {info.steps} already recorded"
+        if extends(hist, info.history):
+            info.history = hist
+        else:
+            note = (
+                f"reported history {hist} does not extend the recorded {info.history} (reset or rewritten "
+                "accountant?); added to it"
             )
-        info.history = hist
+            info.anomalies.append(note)
+            warnings.warn(f"privacy ledger: client {client!r}: {note}", RuntimeWarning, stacklevel=2)
+            info.history = normalize_history([*info.history, *hist])
         info.rounds += int(participated)
-        info.epsilon = epsilon_from_history(hist, self.delta, self.accountant)
+        info.epsilon_reported = epsilon_from_history(info.history, self.delta, self.accountant)
+        return self._update(info)
+
+    def charge(self, client: Any, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+        """Record that the server asked ``client`` for ``steps`` DP steps at (σ, q); return its ε."""
+        info = self._clients.setdefault(client, ClientPrivacy(client))
+        info.charged = normalize_history([*info.charged, (noise_multiplier, sample_rate, steps)])
+        info.epsilon_charged = epsilon_from_history(info.charged, self.delta, self.accountant)
+        return self._update(info)
+
+    def _update(self, info: ClientPrivacy) -> float:
+        info.epsilon = max(info.epsilon_reported, info.epsilon_charged)
         return info.epsilon
 
     def epsilon(self, client: Any) -> float:
@@ -139,8 +188,12 @@ class PrivacyLedger:
             "clients": {
                 str(c): {
                     "epsilon": info.epsilon,
+                    "epsilon_reported": info.epsilon_reported,
+                    "epsilon_charged": info.epsilon_charged,
                     "steps": info.steps,
+                    "charged_steps": info.charged_steps,
                     "rounds": info.rounds,
+                    "anomalies": list(info.anomalies),
                     "noise_multipliers": sorted({h[0] for h in info.history}),
                     "sample_rates": sorted({h[1] for h in info.history}),
                 }

@@ -9,8 +9,11 @@ accountant for the whole run.
 
 A round whose updates are all rejected (fewer than ``min_clients`` valid) does not end the run: the
 global adapter stays as it was, the round's record carries ``error`` and the rejection reasons, and the
-next round starts — as in the Flower app. (An exception raised by a client in this process is a local
-bug and propagates; in Flower it arrives as an error reply and is recorded the same way.)
+next round starts — as in the Flower app. A client that raises is recorded like a Flower error reply (its
+reason in ``rejected``) and the round goes on with the others. Privacy is booked before any aggregation:
+the server charges every sampled client for the steps it asked for, and takes each client's accountant
+history, also from a client that failed half-way (see :mod:`.ledger`). FedAvg weights are the partition sizes
+the server assigned, not what a client reports.
 """
 
 from __future__ import annotations
@@ -140,22 +143,32 @@ def run_simulation(
     clients: dict[int, Any] = {}
     records: list[RoundRecord] = []
     bar = tqdm(range(1, cfg.rounds + 1), desc=f"{cfg.algo}/{cfg.filter}", disable=not progress, unit="round")
+    sizes = partition.sizes
     for rnd in bar:
         sampled = sample_clients(cfg, rnd)
-        updates = []
+        updates, failures = [], []
         for c in sampled:
-            if c not in clients:
-                clients[c] = build_client(cfg, task, partition, c)
-            updates.append(clients[c].fit(global_state, rnd))
-        for u in updates:
-            ledger.record(u.client, u.history)
+            try:
+                if c not in clients:
+                    clients[c] = build_client(cfg, task, partition, c)
+                client = clients[c]
+                ledger.charge(c, client.noise_multiplier, client.sample_rate, cfg.local_steps)
+                updates.append(client.fit(global_state, rnd))
+            except Exception as exc:  # noqa: BLE001 - one client's failure is that client's, as in Flower
+                failures.append({"client": c, "reason": f"client raised {type(exc).__name__}: {exc}"})
+                if c in clients:
+                    ledger.record(c, clients[c].history)  # the steps it did take before failing
+                continue
+            ledger.record(c, updates[-1].history)
         error: str | None = None
         try:
+            if not updates:
+                raise AggregationError("no client returned an update", [])
             result = aggregate_updates(
                 cfg,
                 global_state,
                 [u.state for u in updates],
-                [u.num_examples for u in updates],
+                [sizes[u.client] for u in updates],
                 [u.client for u in updates],
             )
             global_state = result.state
@@ -172,7 +185,7 @@ def run_simulation(
             accuracy=metrics["accuracy"],
             loss=metrics["loss"],
             train_loss=_mean([u.loss for u in updates]),
-            rejected=[{"client": r.client, "reason": r.reason} for r in rejected],
+            rejected=[{"client": r.client, "reason": r.reason} for r in rejected] + failures,
             max_epsilon=ledger.max_epsilon,
             error=error,
         )
