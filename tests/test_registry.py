@@ -13,7 +13,7 @@ from torch import nn
 from opacus_spectral import ParameterRole
 from opacus_spectral.pipeline import PostNoisePipeline
 from opacus_spectral.registry import Registry, create_denoisers
-from opacus_spectral.roles import describe_parameters
+from opacus_spectral.parameters import describe_parameters
 
 GOOD = '''
 import torch
@@ -100,7 +100,7 @@ def test_order_is_the_users_not_pluggys(site):
     g = torch.full((2, 2), 1.0)
     for hooks, expected in ([["double", ("add_const", {"value": 1.0})], 3.0], [[("add_const", {"value": 1.0}), "double"], 4.0]):
         pipe = PostNoisePipeline(create_denoisers(hooks, reg))
-        from opacus_spectral.roles import ParamInfo
+        from opacus_spectral.parameters import ParamInfo
 
         out = pipe.run([g.clone()], [ParamInfo("w", "weight", None)], sigma=0.1)
         assert torch.equal(out[0], torch.full((2, 2), expected))

@@ -1,7 +1,8 @@
 """opacus-spectral: post-noise gradient denoisers for Opacus.
 
-``PrivacyEngine().make_private(..., post_hooks=["rmt"])`` denoises the noisy DP-SGD gradient every step.
-Post-processing of the privatized gradient costs no privacy budget; the accountant is untouched.
+``PrivacyEngine().make_private(..., post_hooks=["rmt"])`` runs the listed denoisers (a pipeline) on the noisy
+DP-SGD gradient every logical step. Post-processing of the privatized gradient costs no privacy budget; the
+accountant is untouched. Mathematics: ``docs/math.md``; Opacus facts relied on: ``docs/upstream.md``.
 """
 
 from .calibration import noise_std
@@ -19,14 +20,23 @@ from .pipeline import (
     StepDiagnostics,
 )
 from .records import NoisyGradient, ParameterRole
+from .registry import (
+    DenoiserInfo,
+    DenoiserSpec,
+    LoadError,
+    available_denoisers,
+    get_registry,
+    load_errors,
+    reload_registry,
+)
 from .rmt import RMTDenoiser
-from .registry import DenoiserInfo, LoadError, available_denoisers, get_registry, load_errors, reload_registry
 
 __all__ = [
     "Denoiser",
     "DenoiserError",
     "DenoiserInfo",
     "DenoiserProtocol",
+    "DenoiserSpec",
     "LoadError",
     "LowPassDenoiser",
     "NoisyGradient",

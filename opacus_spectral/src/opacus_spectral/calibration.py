@@ -1,7 +1,7 @@
 """Sigma calibration: the per-entry std of the DP noise in the final ``p.grad``.
 
-Read from the optimizer's state, never from user arguments (DESIGN.md invariant 3). The cases follow how
-Opacus 1.6 really applies noise (``../shared/notes/upstream.md`` §1.2):
+Read from the optimizer's state at every step, never from user arguments. The cases follow how Opacus 1.6
+really applies noise (``docs/upstream.md`` §1.2):
 
 ================================  ===============================================
 optimizer                          std of the noise in ``p.grad``

@@ -1,6 +1,7 @@
 """Reading checkpoint files without executing code from them.
 
-``torch.load(weights_only=False)`` — what Opacus 1.6's ``PrivacyEngine.load_checkpoint`` hard-codes — runs
+``torch.load(weights_only=False)`` — what Opacus 1.6's ``PrivacyEngine.load_checkpoint`` hard-codes
+(``docs/upstream.md`` §1.6) — runs
 whatever a pickle says, so a crafted checkpoint file executes code. Everything this project saves
 (module / optimizer / accountant state, denoiser state) is tensors, numbers, strings and containers, which
 ``weights_only=True`` reads.

@@ -17,7 +17,8 @@ class DenoiserProtocol(Protocol):
     It edits ``record.tensor`` in place and returns ``None``, or returns one replacement tensor per
     record (same shape, dtype and device; ``None`` entries keep the record's tensor). It keeps neither a
     record nor its tensor's memory after the call (``.clone()`` what it keeps; ``.detach()`` shares the
-    memory); the engine copies outputs into fresh ``p.grad`` memory, so returning a tensor it keeps is fine.
+    memory, ``docs/upstream.md`` §1.5); the engine copies outputs into fresh ``p.grad`` memory, so returning a
+    tensor it keeps is fine.
     """
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None: ...

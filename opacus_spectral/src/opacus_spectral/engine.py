@@ -1,8 +1,12 @@
 """``opacus_spectral.PrivacyEngine``: Opacus' engine plus post-noise denoisers.
 
-A drop-in subclass: without ``post_hooks`` it trains exactly like ``opacus.PrivacyEngine`` (same
-optimizer classes, same noise, same accountant — bit-identical parameters for the same seeds); the only
-difference is the alternation-safe GradSampleModule (identical maths, see :mod:`.grad_sample`).
+Vocabulary: a *denoiser* is a callable over the step's noisy gradients; ``post_hooks=[...]`` is the
+``make_private`` argument listing denoisers; the *pipeline* (:class:`~opacus_spectral.pipeline.PostNoisePipeline`)
+runs them every logical step.
+
+A drop-in subclass: without ``post_hooks`` it trains exactly like ``opacus.PrivacyEngine`` (same optimizer
+classes, same noise, same accountant — bit-identical parameters for the same seeds); the only difference is
+the alternation-safe GradSampleModule (identical maths, see :mod:`.grad_sample`).
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from typing import Any
 import opacus
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.grad_sample.utils import get_gsm_class
-from torch.distributed._composable.fsdp import FSDPModule
 from torch import nn
+from torch.distributed._composable.fsdp import FSDPModule
 
 from .checkpoint import load_checkpoint_file
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
 from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
-from .registry import HookSpec, Registry
+from .registry import DenoiserSpec, Registry
 
 CHECKPOINT_KEY = "opacus_spectral_post_hooks"
 NON_PRIVATE = (
@@ -34,7 +38,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
     """``opacus.PrivacyEngine`` whose ``make_private`` takes ``post_hooks=[...]``.
 
     After ``make_private`` the installed pipeline is ``engine.post_hooks`` (a :class:`PostHookHandle` with
-    ``diagnostics``, ``state_dict()`` and ``remove()``), or ``None`` when ``post_hooks`` was not given.
+    ``diagnostics``, ``logical_steps``, ``add_step_callback()``, ``state_dict()`` and ``remove()``), or ``None``
+    when ``post_hooks`` was not given.
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, registry: Registry | None = None):
@@ -55,7 +60,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> Any:
         if grad_sample_mode == "ghost_fsdp" or isinstance(module, FSDPModule):
             raise NotImplementedError(
-                "FSDP is not supported by opacus_spectral v1 (sharded DTensor gradients); use DDP or opacus.PrivacyEngine"
+                "FSDP is not supported by opacus_spectral v1 (sharded DTensor gradients); "
+                "use DDP or opacus.PrivacyEngine"
             )
         check_per_sample_support(module)
         cls = safe_class(grad_sample_mode, wrap_model)
@@ -92,7 +98,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def make_private(  # type: ignore[override]
         self,
         *args: Any,
-        post_hooks: Sequence[HookSpec] | None = None,
+        post_hooks: Sequence[DenoiserSpec] | None = None,
         on_denoiser_error: OnError = "raise",
         oracle: bool = False,
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
@@ -122,6 +128,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         out = super().make_private(*args, **kwargs)
         if post_hooks is not None:
             # installed after super() returns: the accountant's step hook is attached last inside make_private
+            # (docs/upstream.md §1.3)
             self.post_hooks = install_post_hooks(
                 out[1],
                 post_hooks,
@@ -137,7 +144,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def make_private_with_epsilon(  # type: ignore[override]
         self,
         *args: Any,
-        post_hooks: Sequence[HookSpec] | None = None,
+        post_hooks: Sequence[DenoiserSpec] | None = None,
         on_denoiser_error: OnError = "raise",
         oracle: bool = False,
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
@@ -203,9 +210,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> dict[str, Any]:
         """Opacus' ``load_checkpoint`` without executing code from the file.
 
-        Opacus 1.6 always unpickles with ``torch.load(..., weights_only=False)``: a crafted checkpoint runs
-        arbitrary code. Here the file is read with ``weights_only=True`` (tensors, numbers, strings and
-        containers — everything this engine saves), and anything else raises ``pickle.UnpicklingError``.
+        Opacus 1.6 always unpickles with ``torch.load(..., weights_only=False)`` (``docs/upstream.md`` §1.6): a
+        crafted checkpoint runs arbitrary code. Here the file is read with ``weights_only=True`` (tensors, numbers,
+        strings and containers — everything this engine saves), and anything else raises
+        ``pickle.UnpicklingError``.
         ``trusted=True`` restores the unrestricted unpickler, for files you created yourself.
         """
         checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))

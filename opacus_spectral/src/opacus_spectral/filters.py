@@ -1,12 +1,15 @@
-"""Fixed low-pass filters for noisy gradients — pure, batched tensor math (paper B, notes/math.md §2).
+"""Fixed low-pass filters for noisy gradients — pure, batched tensor math (``docs/math.md`` §2).
 
-* :func:`binomial5` — the 5-tap binomial kernel ``[1, 4, 6, 4, 1]/16`` with symmetric padding (the
-  LA-LoRA paper). Frequency response ``cos⁴(ω/2)``: DC gain 1, Nyquist gain 0, white-noise variance
-  factor ``Σ h² = 70/256 ≈ 0.273``.
+The filters of LA-LoRA (paper B: "Rethinking LoRA for Privacy-Preserving Federated Learning in Large
+Models", arXiv 2602.19926) and of its public reference code:
+
+* :func:`binomial5` — the 5-tap binomial kernel ``[1, 4, 6, 4, 1]/16`` with symmetric padding (paper B;
+  §2.1). Frequency response ``cos⁴(ω/2)``: DC gain 1, Nyquist gain 0, white-noise variance
+  factor ``Σ h² = 70/256 ≈ 0.273`` (§2.4).
 * :func:`gaussian` — a normalised sampled Gaussian kernel of std ``sigma`` (radius ``ceil(truncate·σ)``),
-  symmetric padding.
+  symmetric padding (§2.2).
 * :func:`laplacian_smooth` — ``(I − σΔ)⁻¹`` with the circular discrete Laplacian, solved exactly by FFT
-  (the LA-LoRA reference code), over one axis or two; response ``1/(1 + 4σ Σ_d sin²(ω_d/2))``.
+  (paper B's reference code), over one axis or two; response ``1/(1 + 4σ Σ_d sin²(ω_d/2))`` (§2.3).
 
 "Symmetric" padding is half-sample symmetric (the edge sample is repeated: ``… b a | a b c …``, NumPy's
 ``mode="symmetric"``). All functions filter along ``axis`` of a tensor of any shape (so a leading batch
@@ -33,7 +36,7 @@ __all__ = [
     "symmetric_indices",
 ]
 
-#: The LA-LoRA paper's kernel.
+#: Paper B's kernel (``docs/math.md`` §2.1).
 BINOMIAL5: tuple[float, ...] = (1 / 16, 4 / 16, 6 / 16, 4 / 16, 1 / 16)
 
 
@@ -71,7 +74,7 @@ def apply_kernel(x: Tensor, kernel: Sequence[float] | Tensor, axis: int = -1) ->
 
 
 def binomial5(x: Tensor, axis: int = -1) -> Tensor:
-    """``[1, 4, 6, 4, 1]/16`` along ``axis`` with symmetric padding (LA-LoRA paper)."""
+    """``[1, 4, 6, 4, 1]/16`` along ``axis`` with symmetric padding (paper B, arXiv 2602.19926)."""
     return apply_kernel(x, BINOMIAL5, axis)
 
 
@@ -111,7 +114,7 @@ def laplacian_smooth(x: Tensor, sigma: float = 1.0, axes: int | Sequence[int] = 
     """Laplacian smoothing ``(I − σΔ)⁻¹ x`` with circular boundaries over ``axes`` (1 or more), by FFT.
 
     ``Δ`` is the sum over ``axes`` of the periodic second difference ``x[i−1] − 2x[i] + x[i+1]``, whose
-    Fourier symbol is ``−4 sin²(ω/2)`` (the LA-LoRA reference code uses ``σ = 1`` over both axes).
+    Fourier symbol is ``−4 sin²(ω/2)`` (paper B's reference code uses ``σ = 1`` over both axes; ``docs/math.md`` §3.4).
     """
     if not (math.isfinite(sigma) and sigma >= 0):
         raise ValueError(f"laplacian sigma must be >= 0 and finite, got {sigma!r}")

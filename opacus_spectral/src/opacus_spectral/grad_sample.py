@@ -1,7 +1,7 @@
 """Alternation-safe Opacus wrapping: toggling ``requires_grad`` between steps.
 
 Upstream Opacus 1.6 sets per-sample hooks up for the parameters trainable at wrap time and then crashes when
-a layer is frozen later (``../shared/notes/upstream.md`` §1.4): the frozen layer's backward hook fires but its
+a layer is frozen later (``docs/upstream.md`` §1.4): the frozen layer's backward hook fires but its
 forward hook stored no activations ("No activations detected"), and ghost clipping stacks stale per-sample
 norms of frozen parameters. The subclasses here
 
@@ -115,7 +115,8 @@ def check_per_sample_support(module: nn.Module) -> None:
 
     A parameter held by an ``nn.ParameterDict``/``nn.ParameterList`` is read as an attribute, never through
     a module call, so no Opacus hook sees it and the first step fails with "Per sample gradient is not
-    initialized". PEFT's LoRA on ``nn.Embedding`` (``lora_embedding_A``/``lora_embedding_B``) is such a case.
+    initialized". PEFT's LoRA on ``nn.Embedding`` (``lora_embedding_A``/``lora_embedding_B``) is such a case
+    (``docs/upstream.md`` §1.7).
     """
     bad = [
         f"{mname}.{pname}" if mname else pname

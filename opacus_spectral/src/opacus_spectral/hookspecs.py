@@ -9,9 +9,10 @@ and implement any of the hooks below with ``@opacus_spectral.hookimpl``. A plugi
 or whose hook signature does not match a spec is skipped with one warning; the others still load
 (see :func:`opacus_spectral.registry.available_denoisers`).
 
-Order: pluggy calls implementations last-registered-first. Nothing here depends on that order: denoisers
-are applied in the order of the user's ``post_hooks`` list, and role answers are merged by specificity
-(see :func:`opacus_spectral_parameter_roles`).
+Order: pluggy calls implementations last-registered-first (``docs/upstream.md`` §3.2). Nothing here depends
+on that order: denoisers are applied in the order of the user's ``post_hooks`` list, and role answers are
+merged in registration order, the first-registered plugin winning a conflict (see
+:func:`opacus_spectral_parameter_roles`).
 """
 
 from __future__ import annotations

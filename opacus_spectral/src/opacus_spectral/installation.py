@@ -1,17 +1,22 @@
-"""Installing the post-noise pipeline on an Opacus optimizer.
+"""Installing the denoiser pipeline on an Opacus optimizer.
 
-Where it runs (``../shared/notes/upstream.md`` §1.3): a step **pre-hook on the inner optimizer**
+Where it runs (``docs/upstream.md`` §1.3): a step **pre-hook on the inner optimizer**
 (``dp_optimizer.original_optimizer``). That hook fires after Opacus' clipping, noise, scaling, accountant
 and — under DDP — the all-reduce, for every Opacus optimizer class, and once per logical step
 (BatchMemoryManager's virtual steps never reach the inner optimizer). Opacus' single ``step_hook`` slot is
 *chained* (never replaced): the previous hook (the accountant) runs first, then a snapshot of sigma, which
-for AdaClip must be taken before the clipping bound is updated.
+for AdaClip must be taken before the clipping bound is updated (``docs/upstream.md`` §1.2).
+
+A step whose pre-hook finds a sigma snapshot is a *logical step*: Opacus added noise to it.
+:attr:`PostHookHandle.logical_steps` counts them, and callbacks added with
+:meth:`PostHookHandle.add_step_callback` run after each one (from a step post-hook on the inner optimizer).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +26,10 @@ from opacus.optimizers import (
     FSDPOptimizerFastGradientClipping,
 )
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .calibration import clean_scale, noise_std, world_size
+from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
     DEFAULT_MAX_OUTPUT_RATIO,
     DenoiserError,
@@ -31,15 +38,23 @@ from .pipeline import (
     OnNonFinite,
     PipelineDiagnostics,
     PostNoisePipeline,
+    StepDiagnostics,
 )
-from .registry import HookSpec, Registry, create_denoisers, get_registry
-from .roles import ParamInfo, describe_parameters
+from .registry import DenoiserSpec, Registry, create_denoisers, get_registry
 
 HANDLE_ATTR = "_opacus_spectral_handle"
 
+#: ``fn(step_index, diagnostics)``: called once per completed logical step (:meth:`PostHookHandle.add_step_callback`)
+StepCallback = Callable[[int, StepDiagnostics | None], None]
+
 
 class PostHookHandle:
-    """A live installation of the pipeline on one DPOptimizer. ``remove()`` detaches it."""
+    """A live installation of the denoiser pipeline on one DPOptimizer. ``remove()`` detaches it.
+
+    Returned by :func:`install_post_hooks` and held as ``engine.post_hooks``. Besides the pipeline's
+    ``diagnostics`` and state, it tells a training loop when a logical DP step completed
+    (:attr:`logical_steps`, :meth:`add_step_callback`), as opposed to a BatchMemoryManager virtual step.
+    """
 
     def __init__(
         self,
@@ -59,14 +74,20 @@ class PostHookHandle:
         self._sigma: float | None = None
         self._scale: float | None = None
         self._removed = False
+        self._logical_steps = 0
+        self._callbacks: OrderedDict[int, StepCallback] = OrderedDict()  # weak-referenceable, for RemovableHandle
+        # (step index, diagnostics) of a logical step whose pipeline ran, until the inner step completes
+        self._completed: tuple[int, StepDiagnostics | None] | None = None
         self._prev_step_hook = dp_optimizer.step_hook
         # per-layer clipping pairs norms with params positionally: remember the wrap-time order
         self._per_layer_ids = (
             [id(p) for p in dp_optimizer.params] if isinstance(dp_optimizer, DPPerLayerOptimizer) else None
         )
         dp_optimizer.step_hook = self._step_hook
-        self._torch_handle = dp_optimizer.original_optimizer.register_step_pre_hook(self._pre_step)
-        setattr(dp_optimizer.original_optimizer, HANDLE_ATTR, self)
+        inner = dp_optimizer.original_optimizer
+        self._torch_handle = inner.register_step_pre_hook(self._pre_step)
+        self._torch_post_handle = inner.register_step_post_hook(self._post_step)
+        setattr(inner, HANDLE_ATTR, self)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -76,6 +97,33 @@ class PostHookHandle:
     @property
     def denoisers(self) -> list[Any]:
         return self.pipeline.denoisers
+
+    @property
+    def logical_steps(self) -> int:
+        """Logical DP steps since installation: inner-optimizer steps to which Opacus added noise.
+
+        Counts every such step — with or without denoisers, skipped ones (``on_nonfinite_grad="skip_step"``)
+        and ones aborted by a denoiser or non-finite error included (their privacy is spent) — and never a
+        BatchMemoryManager virtual step or an inner-optimizer step taken without Opacus' noise. Not part of
+        :meth:`state_dict`.
+        """
+        return self._logical_steps
+
+    def add_step_callback(self, fn: StepCallback) -> RemovableHandle:
+        """Call ``fn(step_index, diagnostics)`` after every completed logical step; returns a handle whose
+        ``remove()`` stops it.
+
+        ``step_index`` is the 0-based index of the step among :attr:`logical_steps`; ``diagnostics`` is the
+        pipeline's :class:`StepDiagnostics` for that step (``skipped=True`` for a skipped non-finite step), or
+        ``None`` when no parameter had a gradient. ``fn`` runs after the inner optimizer's update of that step
+        (so after the denoisers), in the order callbacks were added; it is not called for a step aborted by an
+        error. An exception in ``fn`` propagates out of ``optimizer.step()`` (the weights have moved already).
+        """
+        if not callable(fn):
+            raise TypeError(f"step callback must be callable, got {type(fn).__name__}")
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = fn
+        return handle
 
     def state_dict(self) -> dict[str, Any]:
         return self.pipeline.state_dict()
@@ -89,6 +137,8 @@ class PostHookHandle:
             return
         self._removed = True
         self._torch_handle.remove()
+        self._torch_post_handle.remove()
+        self._completed = None
         if self.optimizer.step_hook == self._step_hook:
             self.optimizer.step_hook = self._prev_step_hook
         inner = self.optimizer.original_optimizer
@@ -114,23 +164,31 @@ class PostHookHandle:
             self._scale = clean_scale(opt) if self.pipeline.oracle else None
 
     def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        opt = self.optimizer
         sigma, self._sigma = self._sigma, None
+        self._completed = None
         if sigma is None:
             # Opacus' pre_step did not run (the inner optimizer was stepped directly): p.grad holds no DP noise,
-            # so a denoiser must not see it (invariant 1). Skip, warn once, count.
+            # so a denoiser must not see it. Skip, warn once, count.
             self.pipeline.diagnostics.skipped += 1
             if self.pipeline.diagnostics.skipped == 1:
                 warnings.warn(
                     "the inner optimizer stepped without Opacus adding noise (DPOptimizer.step was bypassed); "
-                    "post hooks were skipped for that step",
+                    "the denoiser pipeline was skipped for that step",
                     RuntimeWarning,
                     stacklevel=2,
                 )
             return
+        index = self._logical_steps
+        self._logical_steps += 1
+        diag = self._run_pipeline(sigma)
+        self._completed = (index, diag)
+
+    def _run_pipeline(self, sigma: float) -> StepDiagnostics | None:
+        """Denoise this step's noisy gradients and install the result; the step's diagnostics (None: no grads)."""
+        opt = self.optimizer
         params = [p for p in opt.params if p.grad is not None]
         if not params:
-            return
+            return None
         if any(id(p) not in self._infos for p in params):  # a param group added after installation
             self._infos = self._describe()
         infos = [self._infos[id(p)] for p in params]
@@ -148,13 +206,21 @@ class PostHookHandle:
             for p in params:  # never let the caller step on a gradient a denoiser may have corrupted in place
                 p.grad = None
             raise
+        diag = self.pipeline.last_step
         if out is None:  # non-finite noisy gradient, on_nonfinite_grad="skip_step": nothing moves this step
             for p in params:
                 p.grad = None
+            return diag
+        if self.pipeline.denoisers:  # else nobody saw the gradients: p.grad stays as Opacus made it (no copy)
+            install_fresh_grads(params, out)
+        return diag
+
+    def _post_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        completed, self._completed = self._completed, None
+        if completed is None:
             return
-        if not self.pipeline.denoisers:
-            return  # nobody saw the gradients: p.grad stays as Opacus made it (bit-identical, no copy)
-        install_fresh_grads(params, out)
+        for fn in list(self._callbacks.values()):
+            fn(*completed)
 
 
 def install_fresh_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
@@ -162,8 +228,8 @@ def install_fresh_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
 
     The tensors the denoisers saw (and may keep, or returned from their own state) are never written again:
     with ``zero_grad(set_to_none=False)`` the next backward accumulates the next batch's *clean* gradient into
-    ``p.grad``'s memory, which no denoiser can then reach. (The layout matters: autograd accumulates into
-    ``p.grad`` on the next backward.)
+    ``p.grad``'s memory (``docs/upstream.md`` §1.5), which no denoiser can then reach. (The layout matters:
+    autograd accumulates into ``p.grad`` on the next backward.)
     """
     for p, g in zip(params, grads, strict=True):
         p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -183,7 +249,7 @@ def _check_supported(dp_optimizer: Any) -> None:
 
 def install_post_hooks(
     dp_optimizer: DPOptimizer,
-    hooks: Sequence[HookSpec],
+    hooks: Sequence[DenoiserSpec],
     *,
     module: nn.Module | None = None,
     on_error: OnError = "raise",
@@ -193,11 +259,13 @@ def install_post_hooks(
     max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
     on_nonfinite_grad: OnNonFinite = "raise",
 ) -> PostHookHandle:
-    """Run ``hooks`` (names, ``(name, kwargs)`` pairs or denoiser callables, in this order) on every noisy step.
+    """Install a pipeline that runs the denoisers ``hooks`` (the ``post_hooks`` list), in order, every logical step.
 
     Args:
         dp_optimizer: an Opacus ``DPOptimizer`` (any subclass except FSDP).
-        hooks: the denoisers; ``[]`` installs a pipeline that leaves gradients bit-identical.
+        hooks: the denoisers, as registered names, ``(name, kwargs)`` pairs or denoiser callables
+            (:data:`~opacus_spectral.registry.DenoiserSpec`); ``[]`` installs a pipeline that leaves gradients
+            bit-identical.
         module: the model (wrapped or not) — used to name parameters and ask role plugins about them.
         on_error: ``"raise"`` (default) or ``"fallback"`` (keep the noisy gradient, warn once, count).
         max_output_ratio: a denoiser output whose norm exceeds this many times the step's noisy gradient norm
@@ -213,7 +281,9 @@ def install_post_hooks(
     denoisers = create_denoisers(hooks, reg)
     old = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
     if old is not None:
-        warnings.warn("replacing post hooks previously installed on this optimizer", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "replacing the denoiser pipeline previously installed on this optimizer", RuntimeWarning, stacklevel=2
+        )
         old.remove()
     pipeline = PostNoisePipeline(
         denoisers,

@@ -1,6 +1,7 @@
-"""``"lowpass"``: fixed low-pass filtering of noisy gradients (LA-LoRA, paper B) as a denoiser.
+"""``"lowpass"``: fixed low-pass filtering of noisy gradients as a denoiser.
 
-The filter math lives in :mod:`opacus_spectral.filters`. The axis comes from the parameter's role:
+The filter of LA-LoRA (paper B: arXiv 2602.19926), ``docs/math.md`` §2. The filter math lives in
+:mod:`opacus_spectral.filters`. The axis comes from the parameter's role (§2.5):
 LoRA A ``(r, in)`` is smoothed along its input features (dim 1), LoRA B ``(out, r)`` along its output
 features (dim 0); other ≥2-D ``weight`` gradients only when ``weight_axis`` is set; 1-D gradients only
 with ``vectors=True``. Same-shape tensors with the same axis are filtered in one batched call.
@@ -27,12 +28,12 @@ Kernel = Literal["binomial5", "gaussian", "laplacian"]
 
 
 class LowPassDenoiser(Denoiser):
-    """Smooth noisy gradients with a fixed kernel along a role-dependent axis (paper B, §2 of notes/math.md).
+    """Smooth noisy gradients with a fixed kernel along a role-dependent axis (paper B; ``docs/math.md`` §2).
 
     Args:
-        kernel: ``"binomial5"`` (``[1,4,6,4,1]/16``, symmetric padding; default, the LA-LoRA paper),
+        kernel: ``"binomial5"`` (``[1,4,6,4,1]/16``, symmetric padding; default, paper B),
             ``"gaussian"`` (std ``sigma`` samples, symmetric padding) or ``"laplacian"`` (``(I − σΔ)⁻¹``,
-            circular, by FFT; the LA-LoRA reference code).
+            circular, by FFT; paper B's reference code).
         sigma: kernel width for ``gaussian`` (default 1.0) / ``laplacian`` (default 1.0, the reference
             code). Not the noise std — that is ``record.sigma`` and a fixed filter does not use it.
         laplacian_dims: 1 (along the role's axis) or 2 (over both matrix axes, incl. the rank axis, like
@@ -46,7 +47,8 @@ class LowPassDenoiser(Denoiser):
         truncate: Gaussian kernel radius in units of ``sigma``.
 
     The filter does not depend on ``record.sigma``, except that a noiseless record (``sigma == 0``) is
-    left unchanged (the opacus-spectral contract: no noise, nothing to remove). ``self.diagnostics``: ``{"filtered": number of tensors filtered}``.
+    left unchanged (the opacus-spectral contract: no noise, nothing to remove). ``self.diagnostics``:
+    ``{"filtered": number of tensors filtered}``.
     """
 
     name = "lowpass"

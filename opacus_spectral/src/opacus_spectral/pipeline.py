@@ -1,4 +1,5 @@
-"""The post-noise pipeline: runs the user's denoisers, in order, on the step's noisy gradients.
+"""The post-noise pipeline: runs the user's denoisers (the ``post_hooks`` list), in order, on the step's
+noisy gradients.
 
 It builds one :class:`NoisyGradient` per parameter that has a gradient, calls each denoiser and validates
 what comes back: ``None`` (edited in place) or one tensor (or ``None``) per record, each with the input's
@@ -32,8 +33,8 @@ from typing import Any, Literal
 import torch
 
 from .denoiser import DenoiserProtocol, denoiser_name
+from .parameters import ParamInfo
 from .records import NoisyGradient
-from .roles import ParamInfo
 
 OnError = Literal["raise", "fallback"]
 OnNonFinite = Literal["raise", "skip_step", "ignore"]
@@ -72,7 +73,7 @@ class PipelineDiagnostics:
     calls: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
-    skipped: int = 0  #: inner-optimizer steps without Opacus noise (post hooks not run)
+    skipped: int = 0  #: inner-optimizer steps without Opacus noise (pipeline not run)
     nonfinite_steps: int = 0  #: steps whose noisy gradient held NaN/Inf
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
 
@@ -114,7 +115,9 @@ class PostNoisePipeline:
         if on_nonfinite_grad not in ("raise", "skip_step", "ignore"):
             raise ValueError(f"on_nonfinite_grad must be 'raise', 'skip_step' or 'ignore', got {on_nonfinite_grad!r}")
         if max_output_ratio is not None and not (
-            isinstance(max_output_ratio, (int, float)) and max_output_ratio >= 1 and max_output_ratio == max_output_ratio
+            isinstance(max_output_ratio, (int, float))
+            and max_output_ratio >= 1
+            and max_output_ratio == max_output_ratio
         ):
             raise ValueError(f"max_output_ratio must be a number >= 1 or None, got {max_output_ratio!r}")
         self.denoisers = list(denoisers)
@@ -126,6 +129,8 @@ class PostNoisePipeline:
         self.diagnostics = PipelineDiagnostics(history=deque(maxlen=history))
         self._warned: set[tuple[str, str]] = set()
         self.step = 0
+        #: diagnostics of the most recent :meth:`run` that completed (kept even when ``history=0``)
+        self.last_step: StepDiagnostics | None = None
 
     @staticmethod
     def _unique_names(denoisers: Sequence[DenoiserProtocol]) -> list[str]:
@@ -138,7 +143,7 @@ class PostNoisePipeline:
 
     def check_selection(self, infos: Sequence[ParamInfo]) -> None:
         """Warn once per denoiser whose selector (``selects(name, role)``) matches none of ``infos``."""
-        for d, dname in zip(self.denoisers, self.names):
+        for d, dname in zip(self.denoisers, self.names, strict=True):
             selects = getattr(d, "selects", None)
             if selects is None or not infos or any(selects(i.name, i.role) for i in infos):
                 continue
@@ -161,7 +166,7 @@ class PostNoisePipeline:
         states = state["denoisers"]
         if len(states) != len(self.denoisers):
             raise ValueError(f"state has {len(states)} denoisers, pipeline has {len(self.denoisers)}")
-        for d, s in zip(self.denoisers, states):
+        for d, s in zip(self.denoisers, states, strict=True):
             if hasattr(d, "load_state_dict"):
                 d.load_state_dict(s)
             elif s:
@@ -188,6 +193,7 @@ class PostNoisePipeline:
         saw or keeps: the caller copies them into fresh memory before a backward can write into them.
         """
         t_start = time.perf_counter()
+        self.last_step = None
         diag = StepDiagnostics(step=self.step, sigma=sigma, n_tensors=len(grads))
         current = [g.detach() for g in grads]
         checked = bool(current) and (bool(self.denoisers) or self.on_nonfinite_grad != "ignore")
@@ -196,12 +202,12 @@ class PostNoisePipeline:
             return self._nonfinite(diag, infos, in_finite, t_start)
         bound = self._bound(current, in_finite) if self.denoisers and in_finite is not None else None
         noisy_ref = [g.clone() for g in current] if self.oracle else None
-        for d, dname in zip(self.denoisers, self.names):
+        for d, dname in zip(self.denoisers, self.names, strict=True):
             t0 = time.perf_counter()
             inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
             records = [
                 NoisyGradient(name=i.name, role=i.role, tensor=t, sigma=sigma, step=self.step, layer=i.layer)
-                for i, t in zip(infos, inputs)
+                for i, t in zip(infos, inputs, strict=False)
             ]
             self.diagnostics.calls[dname] += 1
             entry: dict[str, Any] = {"fallbacks": 0}
@@ -223,7 +229,7 @@ class PostNoisePipeline:
             new = self._validate(dname, records, outs, current)
             if in_finite is not None and bound is not None:
                 self._check_values(dname, new, current, in_finite, bound, infos)
-            n_fb = sum(1 for a, b in zip(new, current) if a is b) if self.on_error == "fallback" else 0
+            n_fb = sum(1 for a, b in zip(new, current, strict=True) if a is b) if self.on_error == "fallback" else 0
             entry["fallbacks"] = n_fb
             current = new
             entry["seconds"] = time.perf_counter() - t0
@@ -241,6 +247,7 @@ class PostNoisePipeline:
         self.diagnostics.seconds += diag.seconds
         self.diagnostics.steps += 1
         self.diagnostics.history.append(diag)
+        self.last_step = diag
         self.step += 1
 
     def _nonfinite(
@@ -276,13 +283,14 @@ class PostNoisePipeline:
         if result is None:
             return [r.tensor for r in records]
         if isinstance(result, (torch.Tensor, str, bytes, Mapping)) or not isinstance(result, Iterable):
-            self._bad(dname, None, f"returned {type(result).__name__}; expected None or one tensor (or None) per gradient")
+            expected = "expected None or one tensor (or None) per gradient"
+            self._bad(dname, None, f"returned {type(result).__name__}; {expected}")
             return None
         outs = list(result)  # a generator may raise here: handled by the caller like any denoiser exception
         if len(outs) != len(records):
             self._bad(dname, None, f"returned {len(outs)} tensors for {len(records)} gradients")
             return None
-        return [r.tensor if o is None else o for o, r in zip(outs, records)]
+        return [r.tensor if o is None else o for o, r in zip(outs, records, strict=True)]
 
     def _validate(
         self,
@@ -292,7 +300,7 @@ class PostNoisePipeline:
         current: list[torch.Tensor],
     ) -> list[torch.Tensor]:
         new: list[torch.Tensor] = []
-        for o, ref, r in zip(outs, current, records):
+        for o, ref, r in zip(outs, current, records, strict=False):
             problem = None
             if not isinstance(o, torch.Tensor):
                 problem = f"returned {type(o).__name__} instead of a tensor"
@@ -357,7 +365,8 @@ class PostNoisePipeline:
     ) -> dict[str, Any]:
         """cos(noisy, clean) vs cos(denoised, clean), per parameter and over all parameters (benchmarks only)."""
         per = {
-            i.name: (_cosine([n], [c]), _cosine([d], [c])) for i, n, d, c in zip(infos, noisy, denoised, clean)
+            i.name: (_cosine([n], [c]), _cosine([d], [c]))
+            for i, n, d, c in zip(infos, noisy, denoised, clean, strict=False)
         }
         return {
             "per_param": per,

@@ -1,7 +1,8 @@
 """What a denoiser receives: one record per noisy gradient tensor.
 
 A record carries the noisy, scaled (and, under DDP, all-reduced) gradient and metadata only. It never
-holds a ``Parameter``, ``grad_sample``, ``summed_grad`` or data (DESIGN.md invariant 1).
+holds a ``Parameter``, ``grad_sample``, ``summed_grad`` (the clean clipped sum) or data: a denoiser sees
+privatized data only (``docs/upstream.md`` §1.3).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class NoisyGradient:
     Attributes:
         name: qualified parameter name in the user's model (no ``_module.`` wrapper prefix).
         role: ``"weight"``, ``"bias"``, ``"embedding"``, ``"lora_A"``, ``"lora_B"`` or a plugin's role.
-        tensor: the noisy gradient G~ = G + s·Z. Edit it in place, or return a replacement.
+        tensor: the noisy gradient G~ = G + s·Z (``docs/math.md`` §1.1). Edit it in place, or return a replacement.
         sigma: s, the per-entry standard deviation of the noise in ``tensor`` (``noise_std``).
         step: logical optimizer step (0-based) this gradient belongs to.
         layer: owning layer's qualified name when a role plugin knows it (LoRA pairs share it).

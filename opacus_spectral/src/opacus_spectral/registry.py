@@ -1,10 +1,11 @@
 """The plugin registry: denoisers and role providers loaded from the ``opacus_spectral`` entry points.
 
 Built-ins register through the same entry-point group as third parties. Loading is guarded per plugin:
-pluggy's ``load_setuptools_entrypoints`` stops at the first broken plugin, so entry points are iterated here,
-and each plugin is imported, registered and called inside its own guard (a failure is one warning plus a
-:class:`LoadError` in :func:`load_errors`; the other plugins still load). The guard catches every
-``BaseException`` but ``KeyboardInterrupt`` — a plugin calling ``sys.exit()`` at import does not end the host.
+pluggy's ``load_setuptools_entrypoints`` stops at the first broken plugin (``docs/upstream.md`` §3.1), so
+entry points are iterated here, and each plugin is imported, registered and called inside its own guard (a
+failure is one warning plus a :class:`LoadError` in :func:`load_errors`; the other plugins still load). The
+guard catches every ``BaseException`` but ``KeyboardInterrupt`` — a plugin calling ``sys.exit()`` at import
+does not end the host.
 A hook implementation whose name matches no hookspec (a typo such as ``opacus_spectral_denoiser``) is
 reported as a load error (pluggy's ``check_pending`` rule, per plugin); answers of the wrong shape (a role
 that is not a string or a ``(role, layer)`` pair) drop that plugin's answer, with a load error.
@@ -28,8 +29,11 @@ from .records import ParameterRole
 
 ENTRY_POINT_GROUP = "opacus_spectral"
 
-#: what ``post_hooks`` accepts per item
-HookSpec = str | tuple[str, Mapping[str, Any]] | DenoiserProtocol
+#: one item of ``post_hooks``: a registered denoiser name, a ``(name, kwargs)`` pair or a denoiser callable
+DenoiserSpec = str | tuple[str, Mapping[str, Any]] | DenoiserProtocol
+
+#: Deprecated alias of :data:`DenoiserSpec` (the old name suggested a pluggy hookspec, which it is not).
+HookSpec = DenoiserSpec
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ class Registry:
         self.load()
         return list(self._errors)
 
-    def create(self, spec: HookSpec) -> DenoiserProtocol:
+    def create(self, spec: DenoiserSpec) -> DenoiserProtocol:
         """Build one denoiser from a ``post_hooks`` item: a name, ``(name, kwargs)`` or an instance."""
         if isinstance(spec, str):
             name, kwargs = spec, {}
@@ -288,8 +292,8 @@ def load_errors() -> list[LoadError]:
     return get_registry().errors()
 
 
-def create_denoisers(hooks: Sequence[HookSpec] | None, registry: Registry | None = None) -> list[DenoiserProtocol]:
-    """Resolve a ``post_hooks`` list, keeping the user's order (never pluggy's LIFO order)."""
+def create_denoisers(hooks: Sequence[DenoiserSpec] | None, registry: Registry | None = None) -> list[DenoiserProtocol]:
+    """Build the denoisers of a ``post_hooks`` list, keeping the user's order (never pluggy's LIFO order)."""
     if hooks is None:
         return []
     if isinstance(hooks, (str, tuple)) or callable(hooks):

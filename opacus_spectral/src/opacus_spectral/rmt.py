@@ -1,4 +1,4 @@
-"""``"rmt"``: the random-matrix-theory spectral denoiser (paper A) as an opacus-spectral denoiser.
+"""``"rmt"``: random-matrix-theory spectral denoising (paper A: Dadsetan & Rudzicz, arXiv 2510.01137) as a denoiser.
 
 The math lives in :mod:`opacus_spectral.spectral`; this module selects the records it acts on, views them
 as matrices, groups same-shape matrices into one batched call and publishes cheap diagnostics.
@@ -33,7 +33,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def matrix_view(t: Tensor) -> Tensor | None:
-    """The matrix a gradient is denoised as: 2-D as-is, ≥3-D (conv kernels) as ``(out, in·k·k)``.
+    """The matrix a gradient is denoised as: 2-D as-is, ≥3-D (conv kernels) as ``(out, in·k·k)``
+    (``docs/math.md`` §1.9).
 
     ``None`` for 0-D/1-D and empty tensors (left untouched).
     """
@@ -43,17 +44,17 @@ def matrix_view(t: Tensor) -> Tensor | None:
 
 
 class RMTDenoiser(Denoiser):
-    """Spectral denoising of every selected ≥2-D noisy gradient (paper A; notes/math.md §1).
+    """Spectral denoising of every selected ≥2-D noisy gradient (paper A; ``docs/math.md`` §1).
 
     Per matrix ``G~`` (m × n) with noise std ``s`` = ``record.sigma`` (never a user argument): invert
     the singular-value inflation, shrink optimally (Shabalin–Nobel), zero everything inside the noise
     bulk, apply only if the gate opens (``λ~₁ > κ·s(√m+√n)``, or a Tracy–Widom gate at a false-alarm
-    rate), and rescale to ``‖G~‖_F`` (``norm_correction``). Records with ``sigma == 0``, 0-/1-D or empty
+    rate; §1.7), and rescale to ``‖G~‖_F`` (``norm_correction``, §1.8). Records with ``sigma == 0``, 0-/1-D or empty
     tensors, roles or names not selected are left alone; a non-finite matrix is left unchanged and counted
     (the engine validates outputs).
 
     Args:
-        kappa: gate factor for ``gate="kappa"`` (paper: 1.02).
+        kappa: gate factor for ``gate="kappa"`` (paper A: 1.02).
         gate: ``"kappa"`` or ``"tracy_widom"``.
         false_alarm: the Tracy–Widom gate's false-alarm rate on pure noise, in [1e-8, 0.5].
         tw_centering: ``"johnstone"`` (Johnstone 2001, conservative on thin shapes) or ``"ma"`` (Ma 2012).
@@ -195,7 +196,9 @@ class RMTDenoiser(Denoiser):
                 n_gated = res.gated.sum()
                 n_bad = (~res.finite).sum()
                 gated_total = n_gated if gated_total is None else gated_total + n_gated.to(gated_total.device)
-                nonfinite_total = n_bad if nonfinite_total is None else nonfinite_total + n_bad.to(nonfinite_total.device)
+                nonfinite_total = (
+                    n_bad if nonfinite_total is None else nonfinite_total + n_bad.to(nonfinite_total.device)
+                )
                 if res.touched:  # False: the truncated path certified that nothing passed the gate
                     for b, (i, _) in enumerate(chunk):
                         t = grads[i].tensor

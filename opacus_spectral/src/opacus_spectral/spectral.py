@@ -1,20 +1,20 @@
 """Random-matrix-theory spectral denoising of noisy gradient matrices — pure, batched tensor math.
 
-Noise model (paper A, notes/math.md §1): one noisy gradient ``G~ = G + s·Z`` of shape ``(m, n)``, ``Z``
-i.i.d. N(0, 1), ``s`` the per-entry noise std. Everything here works on batches ``(B, m, n)`` with a
-per-matrix ``s`` of shape ``(B,)``:
+The method of paper A (Dadsetan & Rudzicz, arXiv 2510.01137); formulas and sources in ``docs/math.md`` §1.
+Noise model (§1.1): one noisy gradient ``G~ = G + s·Z`` of shape ``(m, n)``, ``Z`` i.i.d. N(0, 1), ``s`` the
+per-entry noise std. Everything here works on batches ``(B, m, n)`` with a per-matrix ``s`` of shape ``(B,)``:
 
-* bulk edge ``s(√m + √n)`` (largest singular value of ``s·Z``), BBP threshold ``s(mn)^{1/4}``;
+* bulk edge ``s(√m + √n)`` (largest singular value of ``s·Z``), BBP threshold ``s(mn)^{1/4}`` (§1.2);
 * the closed-form inversion of the singular-value inflation ``λ~ = sqrt((λ + s²n/λ)(λ + s²m/λ))``
-  (:func:`invert_inflation`, larger root of ``t² + (s²(m+n) − λ~²)t + s⁴mn = 0``, ``t = λ²``);
-* Shabalin & Nobel (2013) optimal shrinkage (:func:`optimal_shrinkage`);
-* gates: ``"kappa"`` (``λ~₁ > κ·s(√m+√n)``, paper A) and ``"tracy_widom"`` (finite-size gate at a
+  (:func:`invert_inflation`, larger root of ``t² + (s²(m+n) − λ~²)t + s⁴mn = 0``, ``t = λ²``; §1.3);
+* Shabalin & Nobel (2013) optimal shrinkage (:func:`optimal_shrinkage`, §1.4);
+* gates (§1.7): ``"kappa"`` (``λ~₁ > κ·s(√m+√n)``, paper A) and ``"tracy_widom"`` (finite-size gate at a
   false-alarm rate from the Tracy–Widom law of the largest eigenvalue of a white Wishart matrix,
   Johnstone 2001; optional Ma 2012 second-order centering);
-* norm correction ``(‖G~‖_F / ‖Ĝ‖_F)·Ĝ``.
+* norm correction ``(‖G~‖_F / ‖Ĝ‖_F)·Ĝ`` (§1.8).
 
-Only singular triplets above the bulk edge survive shrinkage, so three interchangeable decompositions
-give the same result (:func:`rmt_denoise`, ``method=``):
+Only singular triplets above the bulk edge survive shrinkage (§1.6), so three interchangeable decompositions
+give the same result (:func:`rmt_denoise`, ``method=``; costs in §1.10):
 
 * ``"gram"`` — thin matrices: eigen-decomposition of the small ``k×k`` Gram matrix, ``k = min(m, n)``;
 * ``"truncated"`` — large matrices: gate first, exactly and SVD-free (``λ~₁ < τ`` iff the Cholesky
@@ -61,7 +61,7 @@ Method = Literal["auto", "gram", "truncated", "full"]
 # steps of 0.1 decade. Computed for this project (scipy 1.17, float64) from the Ferrari–Spohn (2005)
 # Fredholm-determinant formula F1(s) = det(I − K_s) on L²(0, ∞), K_s(x, y) = Ai(x + y + s), by Bornemann's
 # (2010) Nyström method (100-point Gauss–Legendre on [0, 14]); quantiles by Brent root finding to 1e-13.
-# They agree with the published values (Johnstone 2001 Table 1; Bejan 2005): 0.90 → 0.4501,
+# They agree with the published values (Johnstone 2001 Table 1; Bejan 2005; docs/math.md §1.7): 0.90 → 0.4501,
 # 0.95 → 0.9793, 0.99 → 2.0234. tests/test_spectral.py recomputes a few entries when scipy is available.
 TW1_LOG10_ALPHA: tuple[float, ...] = tuple(-k / 10 for k in range(3, 81))
 TW1_QUANTILES: tuple[float, ...] = (
@@ -116,7 +116,7 @@ def bbp_threshold(sigma: Tensor | float, m: int, n: int) -> Tensor | float:
 
 
 def invert_inflation(observed: Tensor, sigma: Tensor, m: int, n: int) -> Tensor:
-    """Invert ``λ~ = sqrt((λ + s²n/λ)(λ + s²m/λ))`` in closed form (paper A; notes/math.md §1).
+    """Invert ``λ~ = sqrt((λ + s²n/λ)(λ + s²m/λ))`` in closed form (``docs/math.md`` §1.3).
 
     ``t = λ²`` is the larger root of ``t² + (s²(m+n) − λ~²)t + s⁴mn = 0``::
 
@@ -136,7 +136,7 @@ def invert_inflation(observed: Tensor, sigma: Tensor, m: int, n: int) -> Tensor:
 
 
 def optimal_shrinkage(lam: Tensor, sigma: Tensor, m: int, n: int) -> Tensor:
-    """Shabalin & Nobel (2013) Frobenius-optimal shrinkage of a recovered signal value ``λ̂``::
+    """Shabalin & Nobel (2013) Frobenius-optimal shrinkage of a recovered signal value ``λ̂`` (``docs/math.md`` §1.4)::
 
         η = λ̂ · sqrt((λ̂⁴ − mns⁴)/(λ̂⁴ + mλ̂²s²)) · sqrt((λ̂⁴ − mns⁴)/(λ̂⁴ + nλ̂²s²)),
 
@@ -162,7 +162,8 @@ def tracy_widom_threshold(
     false_alarm: float,
     centering: Literal["johnstone", "ma"] = "johnstone",
 ) -> Tensor | float:
-    """Largest-singular-value threshold with false-alarm rate ``false_alarm`` on pure noise ``s·Z``.
+    """Largest-singular-value threshold with false-alarm rate ``false_alarm`` on pure noise ``s·Z``
+    (``docs/math.md`` §1.7).
 
     Johnstone (2001), Theorem 1.1: for ``Z`` (N × p) with i.i.d. N(0,1) entries and ``l₁`` the largest
     eigenvalue of ``ZᵀZ``, ``(l₁ − μ)/σ → TW1`` with ``μ = (√(N−1) + √p)²`` and
@@ -202,7 +203,7 @@ def gate_threshold(
     false_alarm: float = 1e-3,
     tw_centering: Literal["johnstone", "ma"] = "johnstone",
 ) -> Tensor:
-    """τ: a matrix is denoised only if ``λ~₁ > τ`` (``"kappa"``: ``τ = κ·s(√m+√n)``, paper A)."""
+    """τ: a matrix is denoised only if ``λ~₁ > τ`` (``"kappa"``: ``τ = κ·s(√m+√n)``; ``docs/math.md`` §1.7)."""
     if gate == "kappa":
         return kappa * bulk_edge(sigma, m, n)  # type: ignore[return-value]
     if gate == "tracy_widom":
@@ -310,7 +311,7 @@ def rmt_denoise(
     seed: int = 0,
     inplace: bool = False,
 ) -> DenoiseResult:
-    """Denoise a batch of noisy gradient matrices (paper A): gate, invert, shrink, norm-correct.
+    """Denoise a batch of noisy gradient matrices (``docs/math.md`` §1): gate, invert, shrink, norm-correct.
 
     Args:
         g: (B, m, n) or (m, n) noisy matrices of any float dtype.
@@ -350,7 +351,10 @@ def rmt_denoise(
     if cdt not in (torch.float32, torch.float64):
         cdt = torch.float32
     # a float becomes a device-side fill (no host→device copy, no sync)
-    s = sigma.to(device=dev, dtype=cdt) if isinstance(sigma, Tensor) else torch.full((bsz,), float(sigma), dtype=cdt, device=dev)
+    if isinstance(sigma, Tensor):
+        s = sigma.to(device=dev, dtype=cdt)
+    else:
+        s = torch.full((bsz,), float(sigma), dtype=cdt, device=dev)
     if s.dim() == 0:
         s = s.expand(bsz)
     if s.shape != (bsz,):
@@ -406,7 +410,8 @@ def rmt_denoise(
         eps_tol = (1e-5 if cdt == torch.float32 else 1e-9) if tol is None else tol
         xc = x[idx]
         den_c, top_c, eta_c = _spikes_from_gram(
-            xc @ xc.transpose(1, 2), xc, s_safe[idx], m, n, oversample=oversample, max_iter=max_iter, tol=eps_tol, generator=gen
+            xc @ xc.transpose(1, 2), xc, s_safe[idx], m, n,
+            oversample=oversample, max_iter=max_iter, tol=eps_tol, generator=gen,
         )
         # the Cholesky screen already certified λ~₁ ≥ max(τ, edge) for these; η₁ > 0 confirms it
         gated_c = eta_c.amax(-1) > 0
@@ -437,7 +442,10 @@ def rmt_denoise(
 
 
 def _finish(x: Tensor, den: Tensor, gated: Tensor, norm_correction: bool) -> Tensor:
-    """Norm correction ``(‖G~‖_F/‖Ĝ‖_F)·Ĝ`` for gated matrices (others are discarded by the caller)."""
+    """Norm correction ``(‖G~‖_F/‖Ĝ‖_F)·Ĝ`` for gated matrices (the caller discards the others).
+
+    ``docs/math.md`` §1.8.
+    """
     if not norm_correction:
         return den
     nx = torch.linalg.vector_norm(x, dim=(1, 2))

@@ -16,8 +16,9 @@ It raises ``AssertionError`` naming the first broken rule. What it checks (see `
    tensors after the call (a stateful denoiser copies what it needs).
 5. No retained storage: after every call the memory the denoiser was handed is overwritten (as the next
    ``backward()`` does when ``zero_grad(set_to_none=False)`` keeps ``p.grad``'s memory: it writes the next
-   batch's *clean* gradient there); the outputs of later steps must not change. This catches a denoiser
-   that keeps ``record.tensor.detach()`` (a new tensor object sharing the memory) instead of ``.clone()``.
+   batch's *clean* gradient there, ``docs/upstream.md`` §1.5); the outputs of later steps must not change. This
+   catches a denoiser that keeps ``record.tensor.detach()`` (a new tensor object sharing the memory) instead of
+   ``.clone()``.
 6. Stateful denoisers (``stateful=True``): ``state_dict()`` survives ``torch.save``/``torch.load``, and a fresh
    instance loaded mid-sequence continues with exactly the outputs of an uninterrupted run; ``reset()`` returns
    to the initial behaviour.
@@ -33,9 +34,9 @@ from typing import Any
 
 import torch
 
+from .parameters import ParamInfo
 from .pipeline import PostNoisePipeline
 from .records import ROLE_BIAS, ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
-from .roles import ParamInfo
 
 #: (name, role, shape) of the gradients the kit feeds: LoRA factors, a Linear weight, a conv kernel, a bias,
 #: two same-shape matrices (batching) and an empty tensor.
@@ -78,7 +79,9 @@ def _infos(layout: Sequence[tuple[str, str, tuple[int, ...]]]) -> list[ParamInfo
     return [ParamInfo(name, role, name.rsplit(".", 2)[0]) for name, role, _ in layout]
 
 
-def _run(pipe: PostNoisePipeline, grads: list[torch.Tensor], infos: list[ParamInfo], sigma: float) -> list[torch.Tensor]:
+def _run(
+    pipe: PostNoisePipeline, grads: list[torch.Tensor], infos: list[ParamInfo], sigma: float
+) -> list[torch.Tensor]:
     return [t.clone() for t in pipe.run([g.clone() for g in grads], infos, sigma)]
 
 
@@ -108,7 +111,9 @@ def _check_no_retained_storage(
         seq = []
         for step in range(steps):
             grads = make_gradients(step, sigma=sigma, layout=layout, device=device)
-            records = [NoisyGradient(i.name, i.role, g, sigma, step, i.layer) for i, g in zip(infos, grads)]
+            records = [
+                NoisyGradient(i.name, i.role, g, sigma, step, i.layer) for i, g in zip(infos, grads, strict=True)
+            ]
             seq.append(_outputs_of(records, d(records)))
             if scribble:  # what a later backward does to p.grad's memory
                 for g in grads:
@@ -143,7 +148,7 @@ def check_denoiser(
         for step in range(steps):
             grads = make_gradients(step, sigma=sigma, layout=layout, dtype=dtype, device=device)
             out = _run(pipe, grads, infos, sigma)
-            for (pname, _, shape), o in zip(layout, out):
+            for (pname, _, shape), o in zip(layout, out, strict=True):
                 assert o.dtype == dtype and tuple(o.shape) == shape, f"{name}: {pname} {dtype} changed"
                 assert o.device == torch.device(device) or o.device.type == torch.device(device).type
                 assert bool(torch.isfinite(o).all()), f"{name}: {pname} became non-finite ({dtype})"
@@ -167,7 +172,7 @@ def check_denoiser(
     # 4. records only: metadata untouched, no reference kept
     d = factory()
     grads = make_gradients(0, sigma=sigma, layout=layout, device=device)
-    records = [NoisyGradient(i.name, i.role, g, sigma, 0, i.layer) for i, g in zip(infos, grads)]
+    records = [NoisyGradient(i.name, i.role, g, sigma, 0, i.layer) for i, g in zip(infos, grads, strict=True)]
     meta = [(r.name, r.role, r.sigma, r.step, r.layer) for r in records]
     result = d(records)
     assert meta == [(r.name, r.role, r.sigma, r.step, r.layer) for r in records], f"{name}: changed record metadata"

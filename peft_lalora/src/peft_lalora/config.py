@@ -1,9 +1,10 @@
 """``LALoraConfig``: a ``LoraConfig`` plus the alternation schedule of LA-LoRA and its baselines.
 
-LA-LoRA (Rethinking LoRA for Privacy-Preserving Federated Learning in Large Models, ICLR 2026) updates
-the LoRA factors of ``ΔW = s·B·A`` alternately: one optimizer step trains B with A frozen, the next trains
-A with B frozen, and so on. Each step then perturbs only one factor, which removes the second-order noise
-term ``s·N_B·N_A`` of DP-LoRA from ``ΔW``. The baselines of the paper are the other modes.
+LA-LoRA ("Rethinking LoRA for Privacy-Preserving Federated Learning in Large Models", arXiv 2602.19926)
+updates the LoRA factors of ``ΔW = s·B·A`` alternately: one optimizer step trains B with A frozen, the next
+trains A with B frozen, and so on. Each step then perturbs only one factor, which removes the second-order
+noise term ``s·N_B·N_A`` of DP-LoRA from ``ΔW`` (``docs/math.md`` §3.1). The baselines of the paper are the
+other modes (§3.2).
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ from typing import Literal
 
 from peft import LoraConfig
 
+AlternationMode = Literal["step", "round", "freeze_a", "none"]
+Factor = Literal["B", "A"]
+
 #: alternation modes, and the method of the paper each one reproduces
-ALTERNATION_MODES: dict[str, str] = {
+ALTERNATION_MODES: dict[AlternationMode, str] = {
     "step": "LA-LoRA: B and A alternate every optimizer step (the counter restarts each round)",
     "round": "RoLoRA: one factor per federated round, the other one in the next round",
     "freeze_a": "FFA-LoRA: A stays at its initialisation, B trains every step",
     "none": "DP-LoRA: both factors train every step (plain LoRA)",
 }
-FACTORS: tuple[str, str] = ("B", "A")
-
-AlternationMode = Literal["step", "round", "freeze_a", "none"]
-Factor = Literal["B", "A"]
+FACTORS: tuple[Factor, Factor] = ("B", "A")
 
 
 class LALoraPeftType(str, enum.Enum):
     """PEFT type of this tuner. A ``(str, Enum)``: PEFT looks it up as the plain string ``"LALORA"`` and
-    transformers reads ``peft_config.peft_type.value``."""
+    transformers reads ``peft_config.peft_type.value`` (``docs/upstream.md`` §2.2)."""
 
     LALORA = "LALORA"
 
@@ -56,11 +57,14 @@ class LALoraConfig(LoraConfig):
             DoRA (``use_dora=True``, whose magnitude vector is neither A nor B) with any alternating mode.
     """
 
-    alternation: str = field(
+    alternation: AlternationMode = field(
         default="step",
-        metadata={"help": "Which LoRA factor trains when: " + "; ".join(f"'{k}' = {v}" for k, v in ALTERNATION_MODES.items())},
+        metadata={
+            "help": "Which LoRA factor trains when: "
+            + "; ".join(f"'{k}' = {v}" for k, v in ALTERNATION_MODES.items())
+        },
     )
-    first_factor: str = field(
+    first_factor: Factor = field(
         default="B",
         metadata={"help": "Factor trained first in 'step'/'round' mode: 'B' (paper) or 'A' (reference code)."},
     )
@@ -86,5 +90,6 @@ def validate_schedule(alternation: object, first_factor: object) -> None:
         raise ValueError(f"first_factor must be 'B' (paper) or 'A' (reference code), got {first_factor!r}.")
     if alternation == "freeze_a" and first_factor == "A":
         raise ValueError(
-            "alternation='freeze_a' (FFA-LoRA) never trains A, so first_factor='A' contradicts it; use first_factor='B'."
+            "alternation='freeze_a' (FFA-LoRA) never trains A, so first_factor='A' contradicts it; "
+            "use first_factor='B'."
         )

@@ -1,4 +1,4 @@
-"""The alternation controller: which LoRA factor trains on which optimizer step.
+"""The alternation controller: which LoRA factor trains on which optimizer step (``docs/math.md`` §3.2).
 
 Schedules (``k`` = local step within the round, counted from 0; ``t`` = round index; ``F`` = first
 factor, ``F'`` the other one):
@@ -6,7 +6,7 @@ factor, ``F'`` the other one):
 ==============  ====================================  ====================================
 mode            trainable factor(s)                   method
 ==============  ====================================  ====================================
-``"step"``      ``F`` if ``k`` even else ``F'``        LA-LoRA (paper B, Alg. 1)
+``"step"``      ``F`` if ``k`` even else ``F'``        LA-LoRA (arXiv 2602.19926, Alg. 1)
 ``"round"``     ``F`` if ``t`` even else ``F'``        RoLoRA
 ``"freeze_a"``  ``B``                                  FFA-LoRA
 ``"none"``      ``A`` and ``B``                        DP-LoRA
@@ -14,10 +14,10 @@ mode            trainable factor(s)                   method
 
 The controller counts *real* optimizer steps: it hooks ``register_step_post_hook`` of a torch optimizer,
 of ``dp_optimizer.original_optimizer`` for an Opacus ``DPOptimizer`` (BatchMemoryManager's virtual steps
-never reach the inner optimizer, so they do not count), or ``on_optimizer_step`` of an HF ``Trainer``.
-After each counted step it applies the next phase: the frozen factor gets ``requires_grad=False`` and
-``grad=None`` (so AdamW moments and weight decay leave it untouched; under Opacus,
-``opacus_spectral.set_trainable`` also drops its per-sample state).
+never reach the inner optimizer, so they do not count; ``docs/upstream.md`` §1.3), or ``on_optimizer_step``
+of an HF ``Trainer``. After each counted step it applies the next phase: the frozen factor gets
+``requires_grad=False`` and ``grad=None`` (so AdamW moments and weight decay leave it untouched; under
+Opacus, ``opacus_spectral.set_trainable`` also drops its per-sample state; ``docs/upstream.md`` §1.4).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .config import ALTERNATION_MODES, validate_schedule
+from .config import ALTERNATION_MODES, AlternationMode, Factor, validate_schedule
 from .factors import LoraFactor, find_lora_factors
 
 Phase = Literal["A", "B", "AB"]
@@ -37,7 +37,7 @@ Phase = Literal["A", "B", "AB"]
 _STATE_KEYS = ("mode", "first_factor", "step", "round", "round_started", "total_steps")
 
 
-def phase_at(mode: str, first_factor: str, step: int, round_index: int) -> Phase:
+def phase_at(mode: AlternationMode, first_factor: Factor, step: int, round_index: int) -> Phase:
     """Trainable factor(s) at local step ``step`` of round ``round_index`` (pure function of the schedule)."""
     if mode == "step":
         index = step % 2
@@ -103,14 +103,14 @@ class AlternationController:
         peft_model: nn.Module,
         optimizer: Any = None,
         *,
-        mode: str | None = None,
-        first_factor: str | None = None,
+        mode: AlternationMode | None = None,
+        first_factor: Factor | None = None,
         adapter_name: str | Sequence[str] | None = None,
     ) -> None:
         mode, first_factor = self._resolve_schedule(peft_model, mode, first_factor, adapter_name)
         validate_schedule(mode, first_factor)
-        self.mode: str = mode
-        self.first_factor: str = first_factor
+        self.mode: AlternationMode = mode
+        self.first_factor: Factor = first_factor
         self.factors: list[LoraFactor] = find_lora_factors(peft_model, adapter_name)
         if not self.factors:
             raise ValueError("No LoRA factors found: the model has no peft.tuners.lora.LoraLayer for this adapter.")
@@ -128,8 +128,11 @@ class AlternationController:
     # ----------------------------------------------------------------------------------------- setup
     @staticmethod
     def _resolve_schedule(
-        model: nn.Module, mode: str | None, first_factor: str | None, adapter_name: str | Sequence[str] | None
-    ) -> tuple[str, str]:
+        model: nn.Module,
+        mode: AlternationMode | None,
+        first_factor: Factor | None,
+        adapter_name: str | Sequence[str] | None,
+    ) -> tuple[AlternationMode, Factor]:
         from .config import LALoraConfig
 
         configs: list[Any] = []
@@ -151,7 +154,8 @@ class AlternationController:
             return (mode or cfg_mode, first_factor or cfg_first)
         if mode is None:
             raise ValueError(
-                "The adapter is not a LALoraConfig adapter; pass mode= one of " + ", ".join(map(repr, ALTERNATION_MODES))
+                "The adapter is not a LALoraConfig adapter; pass mode= one of "
+                + ", ".join(map(repr, ALTERNATION_MODES))
             )
         return mode, first_factor or "B"
 
@@ -167,7 +171,8 @@ class AlternationController:
             return
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"optimizer must be a torch optimizer, an Opacus DPOptimizer, an HF Trainer or None, got {type(optimizer)!r}."
+                "optimizer must be a torch optimizer, an Opacus DPOptimizer, an HF Trainer or None, "
+                f"got {type(optimizer)!r}."
             )
         self.check_optimizer(optimizer)
         if _is_dp_optimizer(optimizer):

@@ -4,7 +4,8 @@ A LALoRA adapter *is* a LoRA adapter: same layers, same ``lora_A`` / ``lora_B`` 
 ``h = W x + s·B A x``. Only ``adapter_config.json`` differs (``peft_type="LALORA"`` plus the two schedule
 fields). The export therefore copies the weight file unchanged and rewrites the config as a
 ``LoraConfig`` — an exact relabel (identical logits), unlike PEFT's ``save_as_lora`` / ``convert_to_lora``,
-which re-factor ``ΔW`` by a truncated SVD (approximate, scaling folded into the weights, more work).
+which re-factor ``ΔW`` by a truncated SVD (approximate, scaling folded into the weights, more work;
+``docs/upstream.md`` §2.4).
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from torch import nn
 from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from .config import Factor
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class LoraFactor:
 
     name: str  #: qualified parameter name in the model given to :func:`find_lora_factors`
     layer: str  #: qualified name of the owning ``LoraLayer`` (A and B of one layer share it)
-    factor: Literal["A", "B"]
+    factor: Factor
     adapter: str
     param: nn.Parameter
 

@@ -14,7 +14,8 @@ class LALoraModel(LoraModel):
     """LoRA tuner registered under the PEFT type ``"LALORA"`` (see :mod:`peft_lalora.registration`).
 
     The prefix stays ``"lora_"``: PEFT tests ``prefix in name`` to place new adapters on the right
-    device and to report missing keys, and the shared prefix keeps the weights loadable as plain LoRA.
+    device and to report missing keys (``docs/upstream.md`` §2.3), and the shared prefix keeps the weights
+    loadable as plain LoRA.
     """
 
     prefix: str = "lora_"

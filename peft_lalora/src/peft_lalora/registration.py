@@ -1,4 +1,4 @@
-"""Register ``LALORA`` with PEFT (runs on ``import peft_lalora``).
+"""Register ``LALORA`` with PEFT (runs on ``import peft_lalora``; PEFT facts in ``docs/upstream.md`` §2.1).
 
 ``peft.utils.register_peft_method`` only accepts members of PEFT's closed ``PeftType`` enum, so we write
 into the three mappings PEFT 0.21 looks every tuner up in (plain dict lookups by a key equal to the string

@@ -70,7 +70,7 @@ def test_found_by_name_and_composes_with_rmt():
     assert info.distribution == "opacus-spectral-doppler"
     from opacus_spectral.pipeline import PostNoisePipeline
     from opacus_spectral.registry import create_denoisers
-    from opacus_spectral.roles import ParamInfo
+    from opacus_spectral.parameters import ParamInfo
 
     pipe = PostNoisePipeline(create_denoisers(["rmt", "doppler"]))
     torch.manual_seed(0)

@@ -1,5 +1,7 @@
 """DOPPLER (Zhang et al., NeurIPS 2024): an IIR low-pass filter over steps of the noisy gradient.
 
+The formulas and their noise behaviour are in the repository's ``docs/math.md`` §4.1–§4.3.
+
 Per parameter, with its own step counter t (advanced only on steps where the parameter has a gradient):
 
     m_t = Σ_{τ=0..n_b} b_τ g̃_{t−τ} − Σ_{τ=1..n_a} a_τ m_{t−τ}          (a_0 = 1; g̃, m = 0 before t = 0)
@@ -18,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from opacus_spectral.selection import resolve_roles
 
 from opacus_spectral import Denoiser, NoisyGradient
-from opacus_spectral.selection import resolve_roles
 
 #: name -> (a, b). first_order is the example in the DOPPLER paper; second_order is a double pole at 0.8
 #: (a = (1 − 0.8z⁻¹)²) with b chosen for unit DC gain.
@@ -103,7 +105,7 @@ class DopplerDenoiser(Denoiser):
         nb, na = len(self.b) - 1, len(self.a) - 1
         xs = [grads[i].tensor.detach().to(self._dtype(grads[i].tensor)) for i in sel]
         names = [grads[i].name for i in sel]
-        for name, x in zip(names, xs):
+        for name, x in zip(names, xs, strict=True):
             if name not in self.t or self.x_hist[name] and self.x_hist[name][0].shape != x.shape:
                 self.t[name] = 0
                 self.x_hist[name] = [torch.zeros_like(x) for _ in range(nb)]
@@ -115,7 +117,7 @@ class DopplerDenoiser(Denoiser):
         for k in range(1, na + 1):
             torch._foreach_add_(m, [self.y_hist[n][k - 1] for n in names], alpha=-self.a[k])
         corrected = torch._foreach_div(m, [self._c_at(self.t[n]) for n in names])
-        for j, (i, name) in enumerate(zip(sel, names)):
+        for j, (i, name) in enumerate(zip(sel, names, strict=True)):
             if nb:
                 self.x_hist[name] = [xs[j].clone()] + self.x_hist[name][:-1]
             if na:
@@ -139,7 +141,9 @@ class DopplerDenoiser(Denoiser):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if tuple(state["a"]) != self.a or tuple(state["b"]) != self.b:
-            raise ValueError(f"state was saved with a={state['a']}, b={state['b']}; this filter has a={self.a}, b={self.b}")
+            raise ValueError(
+                f"state was saved with a={state['a']}, b={state['b']}; this filter has a={self.a}, b={self.b}"
+            )
         self.t = dict(state["t"])
         self.x_hist = {k: [x.clone() for x in v] for k, v in state["x_hist"].items()}
         self.y_hist = {k: [y.clone() for y in v] for k, v in state["y_hist"].items()}

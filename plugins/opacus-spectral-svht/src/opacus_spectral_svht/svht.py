@@ -5,7 +5,8 @@ For an m×n matrix with β = min(m,n)/max(m,n), n = max(m,n) and noise std s per
 
     λ*(β) = sqrt(2(β+1) + 8β / ((β+1) + sqrt(β² + 14β + 1)))        (λ*(1) = 4/√3)
 
-Singular values ≤ λ*(β)·√n·s are set to zero, the others are kept unchanged.
+Singular values ≤ λ*(β)·√n·s are set to zero, the others are kept unchanged (the repository's
+``docs/math.md`` §1.6).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+from opacus_spectral.selection import resolve_roles
 
 from opacus_spectral import Denoiser, NoisyGradient
-from opacus_spectral.selection import resolve_roles
 
 ROLES = ("weight", "lora_A", "lora_B")
 

@@ -33,7 +33,10 @@ def unwrap(module: nn.Module) -> nn.Module:
         seen += 1
         if isinstance(module, AbstractGradSampleModule):
             module = module._module
-        elif isinstance(module, DistributedDataParallel) or type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel":
+        elif (
+            isinstance(module, DistributedDataParallel)
+            or type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+        ):
             module = module.module
         elif not isinstance(module, nn.Module) and hasattr(module, "_module"):  # GradSampleHooks (wrap_model=False)
             module = module._module
