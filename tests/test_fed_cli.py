@@ -1,4 +1,5 @@
-"""`peft-lalora federate` CLI: algorithm -> alternation mapping and a 2-round smoke run on --model tiny."""
+"""`peft-lalora federate` CLI: flags generated from FederationConfig, algorithm -> alternation mapping, a 2-round
+smoke run on the harness's tiny task, and a run on a user's own model folder and CSV / JSONL / saved dataset."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.cli import config_from_args, build_parser, main  # noqa: E402
+from peft_lalora.cli import build_parser, config_from_args, main  # noqa: E402
+
+TINY = ["--task", "dp_bench.task:tiny"]
 
 
 @pytest.mark.parametrize(
@@ -47,7 +50,7 @@ def test_federate_smoke_two_rounds(tmp_path, capsys):
             "la-lora",
             "--filter",
             "binomial5",
-            "--clients",
+            "--num-clients",
             "3",
             "--alpha",
             "0.5",
@@ -59,8 +62,7 @@ def test_federate_smoke_two_rounds(tmp_path, capsys):
             "2",
             "--seed",
             "1",
-            "--model",
-            "tiny",
+            *TINY,
             "--n-train",
             "96",
             "--n-test",
@@ -92,8 +94,86 @@ def test_federate_smoke_two_rounds(tmp_path, capsys):
 def test_bad_arguments_exit_cleanly(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["federate", "--algo", "lora"])
-    rc = main(["federate", "--fraction", "0", "--out", str(tmp_path / "x.json")])
+    rc = main(["federate", *TINY, "--fraction", "0", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "fraction" in capsys.readouterr().err
+    rc = main(["federate", "--out", str(tmp_path / "x.json")])  # task=text without --model/--data
+    assert rc == 2 and "needs model=" in capsys.readouterr().err
+
+
+def test_every_config_field_is_a_flag_with_its_default():
+    import dataclasses
+
+    from peft_lalora.federated.federation import FederationConfig
+
+    args = build_parser().parse_args(["federate"])
+    assert config_from_args(args) == FederationConfig()
+    for f in dataclasses.fields(FederationConfig):
+        assert hasattr(args, f.name), f.name
+    cfg = config_from_args(build_parser().parse_args(["federate", "--no-weighted", "--num-clients", "5"]))
+    assert cfg.weighted is False and cfg.num_clients == 5
+
+
+def _user_model_and_data(tmp_path, fmt: str):
+    """A tiny BERT saved with its own WordPiece tokenizer, and a labelled text file (string labels)."""
+    from transformers import BertTokenizerFast
+
+    from dp_bench.data import tiny_bert
+
+    words = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "the", "was"]
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+    model_dir = tmp_path / "model"
+    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(model_dir)
+    tiny_bert(num_labels=2, seed=0).save_pretrained(model_dir)
+    rows = []
+    for i in range(60):
+        pos = i % 2 == 0
+        adj = ["good", "great", "fine"][i % 3] if pos else ["bad", "awful", "poor"][i % 3]
+        rows.append({"review": f"the movie was {adj}", "sentiment": "pos" if pos else "neg", "film": f"f{i % 6}"})
+    if fmt == "csv":
+        import csv
+
+        path = tmp_path / "reviews.csv"
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["review", "sentiment", "film"])
+            w.writeheader()
+            w.writerows(rows)
+    elif fmt == "jsonl":
+        path = tmp_path / "reviews.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    else:
+        import datasets
+
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(path))
+    return model_dir, path
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "saved"])
+def test_federate_a_users_model_and_data(tmp_path, fmt):
+    from peft_lalora.federated.federation import FederationConfig, build_partition
+    from peft_lalora.federated.task import build_task
+
+    model_dir, data = _user_model_and_data(tmp_path, fmt)
+    user = ["--model", str(model_dir), "--data", str(data), "--text-column", "review", "--label-column", "sentiment",
+            "--group-column", "film", "--seq-len", "8"]  # fmt: skip
+    args = build_parser().parse_args(["federate", *user, "--partition", "group", "--num-clients", "3"])
+    cfg = config_from_args(args)
+    task = build_task(cfg)
+    assert task.num_labels == 2 and task.columns == ("input_ids", "attention_mask", "token_type_ids", "label")
+    n_train, n_test = len(task.train), len(task.test)
+    assert n_train + n_test == 60 and n_test == (15 if fmt == "saved" else 12)  # saved: its own test split
+    assert sorted(set(task.train["label"])) == [0, 1]  # "neg" -> 0, "pos" -> 1 (sorted names)
+    part = build_partition(cfg, task)
+    films = [set(task.train.with_format(None).select(ix)["film"]) for ix in part.indices]
+    assert all(not (a & b) for i, a in enumerate(films) for b in films[i + 1 :])  # every film on one client
+    out = tmp_path / "res.json"
+    rc = main(["federate", *user, "--num-clients", "2", "--alpha", "1", "--rounds", "2", "--local-steps", "2",
+               "--batch-size", "8", "--epsilon", "3", "--no-progress", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["model"] == str(model_dir) and len(res["accuracy"]) == 3
+    assert 0 < res["max_epsilon"] <= 3.0 + 0.03
+    assert FederationConfig.from_dict(res["config"]).data == str(data)
 
 
 def test_server_side_bounds_and_insecure_flag_reach_the_runner(tmp_path, monkeypatch):

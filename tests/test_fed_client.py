@@ -26,10 +26,12 @@ from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWa
 from peft_lalora.federated.ledger import PrivacyLedger, epsilon_from_history, normalize_history  # noqa: E402
 
 DELTA = 1e-5
+TINY = "dp_bench.task:tiny"
 
 
 def _setup(**kw):
     base = dict(
+        task=TINY,
         num_clients=2,
         alpha=1.0,
         rounds=3,
@@ -255,6 +257,7 @@ def test_config_validation_and_flat_round_trip():
     assert ClientConfig(noise_multiplier=1.0).reproducible_noise is False
     assert FederationConfig().reproducible_noise is False
     assert FederationConfig().client_config().reproducible_noise is False
+    assert FederationConfig().task == "text"  # the user's own model and data by default
     assert FederationConfig.from_dict({"reproducible-noise": "true"}).client_config().reproducible_noise is True
     cfg = FederationConfig.from_dict(
         {"num-clients": "3", "alpha": 1, "weighted": "false", "result-path": "/x"}, extra_keys=["result-path"]
@@ -264,6 +267,9 @@ def test_config_validation_and_flat_round_trip():
     assert FederationConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="algo"):
         FederationConfig(algo="lora")
-    with pytest.raises(ValueError, match="group column"):
+    with pytest.raises(ValueError, match="needs group_column"):
         FederationConfig(partition="group")
+    cfg_group = FederationConfig(task=TINY, partition="group")
+    with pytest.raises(ValueError, match="no group column"):
+        build_partition(cfg_group, build_task(cfg_group))
     assert cfg.client_config().planned_steps == cfg.rounds * cfg.local_steps

@@ -1,5 +1,5 @@
-"""Frozen-bottom federation (``FederationConfig.frozen_layers``): the split is exact, only the top layers
-train, a prebuilt task is reused read-only, and bad values fail clearly."""
+"""Frozen-bottom federation (the harness's tasks with ``task_options='{"frozen_layers": k}'``): the split is
+exact, only the top layers train, a prebuilt task is reused read-only, and bad values fail clearly."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import torch
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.cli import config_from_args, build_parser, main  # noqa: E402
-from peft_lalora.data import tiny_bert  # noqa: E402
-from peft_lalora.data.frozen import BertTop, encode_bottom, split_error  # noqa: E402
+from dp_bench.data import tiny_bert  # noqa: E402
+from dp_bench.frozen import BertTop, bert_attention_mask, encode_bottom, split_error  # noqa: E402
+from peft_lalora.cli import main  # noqa: E402
 from peft_lalora.federated import FederationConfig, run_simulation  # noqa: E402
 from peft_lalora.federated.client import NamedInputsLoss  # noqa: E402
 from peft_lalora.federated.federation import build_evaluator, build_task  # noqa: E402
 
+FROZEN1 = '{"frozen_layers": 1}'
 CFG = dict(
-    task="tiny", algo="la-lora", filter="none", num_clients=3, alpha=0.5, rounds=2, local_steps=2, batch_size=8,
+    task="dp_bench.task:tiny", algo="la-lora", filter="none", num_clients=3, alpha=0.5, rounds=2, local_steps=2, batch_size=8,
     epsilon=2.0, n_train=96, n_test=48, seed=3, reproducible_noise=True,
 )
 
@@ -56,13 +57,17 @@ def test_bad_split_arguments():
         BertTop(model, 1)(input_ids=ids, attention_mask=mask)
     with pytest.raises(TypeError, match="BertForSequenceClassification"):
         BertTop(torch.nn.Linear(2, 2), 1)
-    with pytest.raises(ValueError, match="frozen_layers"):
-        FederationConfig(**{**CFG, "frozen_layers": -1})
+    with pytest.raises(ValueError, match="frozen_layers must be >= 0"):
+        build_task(FederationConfig(**{**CFG, "task_options": '{"frozen_layers": -1}'}))
+    with pytest.raises(ValueError, match="unknown task_options"):
+        build_task(FederationConfig(**{**CFG, "task_options": '{"frozen": 1}'}))
+    with pytest.raises(ValueError, match="JSON object"):
+        FederationConfig(**{**CFG, "task_options": "frozen_layers=1"})
 
 
 def test_frozen_task_evaluates_exactly_like_the_full_model():
     full = build_task(FederationConfig(**CFG))
-    cfg = FederationConfig(**{**CFG, "frozen_layers": 1})
+    cfg = FederationConfig(**{**CFG, "task_options": FROZEN1})
     frozen = build_task(cfg)
     assert frozen.columns == ("inputs_embeds", "attention_mask", "label")
     assert frozen.hidden["train"].shape == (96, 16, 32) and frozen.hidden["test"].shape == (48, 16, 32)
@@ -79,7 +84,7 @@ def test_frozen_task_evaluates_exactly_like_the_full_model():
 
 
 def test_frozen_federation_trains_only_the_top_and_reuses_a_task_read_only():
-    cfg = FederationConfig(**{**CFG, "frozen_layers": 1})
+    cfg = FederationConfig(**{**CFG, "task_options": FROZEN1})
     task = build_task(cfg)
     before = {k: v.clone() for k, v in task.hidden.items()}
     r1 = run_simulation(cfg, progress=False, task=task)
@@ -98,7 +103,7 @@ def test_frozen_federation_trains_only_the_top_and_reuses_a_task_read_only():
     with pytest.raises(ValueError, match="task was built for"):
         run_simulation(dataclasses.replace(cfg, seed=4), progress=False, task=task)
     with pytest.raises(ValueError, match="task was built for"):
-        run_simulation(dataclasses.replace(cfg, frozen_layers=0), progress=False, task=task)
+        run_simulation(dataclasses.replace(cfg, task_options=""), progress=False, task=task)
 
 
 def test_named_inputs_loss_checks_arity():
@@ -107,12 +112,11 @@ def test_named_inputs_loss_checks_arity():
         loss(torch.nn.Identity(), [torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1)])
 
 
-def test_cli_frozen_layers(tmp_path, capsys):
-    args = build_parser().parse_args(["federate", "--frozen-layers", "1", "--pooling", "mean"])
-    assert (config_from_args(args).frozen_layers, config_from_args(args).pooling) == (1, "mean")
-    rc = main(["federate", "--model", "tiny", "--pooling", "mean", "--rounds", "1", "--out", str(tmp_path / "y.json")])
+def test_cli_task_options_reach_the_task_factory(tmp_path, capsys):
+    tiny = ["federate", "--task", "dp_bench.task:tiny", "--rounds", "1", "--num-clients", "2", "--n-train", "32"]
+    rc = main([*tiny, "--task-options", '{"pooling": "mean"}', "--out", str(tmp_path / "y.json")])
     assert rc == 2 and "frozen_layers >= 1" in capsys.readouterr().err
-    rc = main(["federate", "--model", "tiny", "--frozen-layers", "2", "--rounds", "1", "--out", str(tmp_path / "x.json")])
+    rc = main([*tiny, "--task-options", '{"frozen_layers": 2}', "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "frozen layers must be an integer in [1, 1]" in capsys.readouterr().err
 
 
@@ -130,12 +134,10 @@ def test_mean_pooling_head_and_its_guard():
     with pytest.raises(ValueError, match="pooling"):
         BertTop(model, 1, pooling="max")
     with pytest.raises(ValueError, match="frozen_layers >= 1"):
-        FederationConfig(**{**CFG, "pooling": "mean"})
-    task = build_task(FederationConfig(**{**CFG, "pooling": "mean", "frozen_layers": 1}))
+        build_task(FederationConfig(**{**CFG, "task_options": '{"pooling": "mean"}'}))
+    task = build_task(FederationConfig(**{**CFG, "task_options": '{"pooling": "mean", "frozen_layers": 1}'}))
     assert task.model().pooling == "mean"
 
 
 def _mask(model, h, mask):
-    from peft_lalora.data.frozen import bert_attention_mask
-
     return bert_attention_mask(model.config, h, mask)

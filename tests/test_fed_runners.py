@@ -31,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.Re
 
 # LA-LoRA (step alternation) with the paper's binomial low-pass filter, DP via calibrated noise.
 CFG = dict(
+    task="dp_bench.task:tiny",
     algo="la-lora",
     filter="binomial5",
     num_clients=2,
@@ -251,18 +252,16 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from peft_lalora.federated import flower_app
-    from peft_lalora.federated.ledger import PrivacyLedger
+    from peft_lalora.federated.server import FederationServer
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
     cfg = FederationConfig(**{**CFG, "num_clients": 3})
     g0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2)}
-    ledger = PrivacyLedger(cfg.delta)
-    strategy = flower_app.LALoraStrategy(
-        cfg, {0: 1, 1: 2, 2: 3}, g0, ledger, sizes=[10, 10, 10], privacy={p: (1.0, 0.1) for p in range(3)}
-    )
-    for rnd in (1, 2):
-        strategy.configure_train(rnd, ArrayRecord(g0), ConfigRecord(), grid=None)
+    server = FederationServer(cfg, g0, sizes=[10, 10, 10], privacy={p: (1.0, 0.1) for p in range(3)})
+    ledger = server.ledger
+    strategy = flower_app.LALoraStrategy(server, {0: 1, 1: 2, 2: 3})
+    strategy.configure_train(1, ArrayRecord(g0), ConfigRecord(), grid=None)
 
     def reply(node, state, pid, steps=2, **drop):
         metrics = {"partition-id": pid, "num-examples": 10, "train-loss": 0.5, "epsilon": 1.0,
@@ -281,16 +280,17 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     kept = arrays.to_torch_state_dict()
     _assert_states_equal(kept, g0)
     assert strategy.global_state is not None and metrics["round-failed"] == 1 and metrics["num-rejected"] == 3
-    rec = strategy.records[-1]
-    assert rec["error"].startswith("aggregation failed, global state kept")
-    reasons = " | ".join(r["reason"] for r in rec["rejected"])
+    rec = server.rounds[-1]
+    assert rec.error.startswith("aggregation failed, global state kept")
+    reasons = " | ".join(r["reason"] for r in rec.rejected)
     assert "client crashed" in reasons and "rejected reply (KeyError" in reasons and "non-finite" in reasons
     assert ledger.clients[2].steps == 2, "the rejected NaN update still spent privacy"
-    assert ledger.clients[0].charged_steps == 2 * cfg.local_steps, "the crashed client is charged what it was sent"
+    assert ledger.clients[0].charged_steps == cfg.local_steps, "the crashed client is charged what it was sent"
     new = {k: v + 1 for k, v in g0.items()}
+    strategy.configure_train(2, ArrayRecord(g0), ConfigRecord(), grid=None)
     arrays, metrics = strategy.aggregate_train(2, [reply(1, new, 0), reply(2, new, 1, steps=4)])
     _assert_states_equal(arrays.to_torch_state_dict(), new)
-    assert metrics["round-failed"] == 0 and strategy.records[-1]["error"] is None
+    assert metrics["round-failed"] == 0 and server.rounds[-1].error is None
 
 
 def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
@@ -306,9 +306,10 @@ def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     cfg = FederationConfig(**{**CFG, "delta": 1e-6, "target_modules": "query,key,value"})
     app = write_flower_app(tmp_path / "app", {**cfg.to_dict(), "result-path": "/tmp/r.json"})
     pyproject = tomllib.loads((app / "pyproject.toml").read_text())
-    ok, errors, _ = validate_config(pyproject, check_module=False)
+    ok, errors, _ = validate_config(pyproject, check_module=True, project_dir=app)  # components import
     assert ok, errors
     run_config = pyproject["tool"]["flwr"]["app"]["config"]
     assert FederationConfig.from_dict(run_config, extra_keys=["result-path"]) == cfg
-    source = (app / f"{APP_MODULE}.py").read_text()
-    assert "client_app = ClientApp()" in source and "\nfrom ." not in source  # standalone: absolute imports only
+    components = pyproject["tool"]["flwr"]["app"]["components"]
+    assert components == {"serverapp": f"{APP_MODULE}:server_app", "clientapp": f"{APP_MODULE}:client_app"}
+    assert APP_MODULE == "peft_lalora.federated.flower_app" and not list(app.glob("*.py"))  # imported, not copied

@@ -21,6 +21,7 @@ from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.ReproducibleNoiseWarning")
 DELTA = 1e-5
+TINY = "dp_bench.task:tiny"
 G0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2), "head.w": torch.zeros(2)}
 
 
@@ -39,12 +40,12 @@ def strategy(monkeypatch):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    cfg = FederationConfig(num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0)
-    ledger = PrivacyLedger(DELTA)
-    strat = flower_app.LALoraStrategy(
-        cfg, flower_app.assign_partitions([77, 12], 2), G0, ledger, sizes=[30, 10],
-        privacy={0: (1.0, 0.1), 1: (1.0, 0.25)},
-    )  # fmt: skip
+    from peft_lalora.federated.server import FederationServer
+
+    cfg = FederationConfig(task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0)
+    server = FederationServer(cfg, G0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
+    strat = flower_app.LALoraStrategy(server, flower_app.assign_partitions([77, 12], 2))
+    strat.ledger = server.ledger
     sent = list(strat.configure_train(1, ArrayRecord(G0), ConfigRecord(), grid=None))
     return strat, {m.metadata.dst_node_id: m for m in sent}
 
@@ -75,7 +76,7 @@ def test_a_node_claiming_another_partition_and_1e9_examples_gets_nothing(strateg
     got = arrays.to_torch_state_dict()
     for k in G0:
         torch.testing.assert_close(got[k], G0[k] + 1.0)  # only the honest update, full weight
-    reasons = " | ".join(r["reason"] for r in strat.records[-1]["rejected"])
+    reasons = " | ".join(r["reason"] for r in strat.server.rounds[-1].rejected)
     assert "claims partition 0 but was assigned partition 1" in reasons
     # the honest client's ε is its own; the liar's account cannot go below what the server charged it
     assert strat.ledger.epsilon(0) == pytest.approx(epsilon_from_history([(1.0, 0.1, 3)], DELTA), rel=1e-12)
@@ -95,7 +96,7 @@ def test_inflated_example_count_unknown_and_duplicate_senders_are_rejected(strat
     arrays, metrics = strat.aggregate_train(1, [honest, inflated, duplicate, stranger])
     for k in G0:
         torch.testing.assert_close(arrays.to_torch_state_dict()[k], G0[k] + 1.0)
-    reasons = " | ".join(r["reason"] for r in strat.records[-1]["rejected"])
+    reasons = " | ".join(r["reason"] for r in strat.server.rounds[-1].rejected)
     assert "claims 1000000000000 examples but partition 1 has 10" in reasons
     assert "second reply from node 12" in reasons
     assert "node 555, which was not sent a train message" in reasons
@@ -111,7 +112,7 @@ def test_a_node_configured_for_another_partition_refuses_the_assignment(monkeypa
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    cfg = FederationConfig(num_clients=2, n_train=32, n_test=16, rounds=1, local_steps=1)
+    cfg = FederationConfig(task=TINY, num_clients=2, n_train=32, n_test=16, rounds=1, local_steps=1)
     ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config=cfg.to_dict())
     content = RecordDict({"arrays": ArrayRecord(G0), "config": ConfigRecord({"server-round": 1, "partition-id": 0})})
     with pytest.raises(ValueError, match="assigned partition 0 but this SuperNode is configured for partition-id=1"):
@@ -182,7 +183,7 @@ def test_ledger_accumulates_a_reset_accountant_and_the_server_charge_is_a_floor(
 def test_a_failing_client_does_not_abort_the_run_or_lose_the_rounds_spend(monkeypatch):
     """Before: a client raising in round 2 ended the in-process run and the round's spend of the clients that
     did run was never recorded."""
-    cfg = FederationConfig(num_clients=3, rounds=3, local_steps=2, batch_size=8, n_train=72, n_test=16,
+    cfg = FederationConfig(task=TINY, num_clients=3, rounds=3, local_steps=2, batch_size=8, n_train=72, n_test=16,
                            alpha=1.0, epsilon=5.0, seed=1, filter="none")  # fmt: skip
     real_build = simulation_mod.build_client
 

@@ -143,7 +143,7 @@ def test_lora_moves_under_dp_poisson() -> None:
 
 
 def test_role_plugin_names_and_shapes() -> None:
-    from peft_lalora.roles import lora_parameter_roles
+    from peft_lalora.spectral_roles import lora_parameter_roles
 
     for arch in ("bert", "gpt2"):
         model = build(arch)

@@ -9,40 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine_helpers import Recorder, loader, mlp, pooled_std
-from opacus_spectral import PrivacyEngine, noise_std
-
-NM, C, B, N = 1.3, 0.7, 16, 64
-
-
-def _one_step(*, clipping="flat", loss_reduction="mean", mode="hooks", accumulate=1, **mp_kwargs):
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = Recorder()
-    engine = PrivacyEngine(accountant="rdp")
-    out = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=loader(N, B),
-        noise_multiplier=NM,
-        max_grad_norm=mp_kwargs.pop("max_grad_norm", C),
-        clipping=clipping,
-        loss_reduction=loss_reduction,
-        grad_sample_mode=mode,
-        poisson_sampling=accumulate == 1,
-        post_hooks=[rec],
-        **mp_kwargs,
-    )
-    model, dp_opt, dl = out[0], out[1], out[-1]
-    crit = out[2] if len(out) == 4 else nn.MSELoss(reduction=loss_reduction)
-    it = iter(dl)
-    for _ in range(accumulate):
-        x, y = next(it)
-        loss = crit(model(x) * 0.0, torch.zeros_like(y))  # clipped sum is exactly zero: p.grad = noise
-        loss.backward()
-    sigma_now = noise_std(dp_opt)
-    dp_opt.step()
-    return rec, dp_opt, sigma_now
+from dp_bench.commands.noise_std import B, C, NM, one_step, pooled_std
+from engine_helpers import mlp
+from opacus_spectral import noise_std
 
 
 @pytest.mark.parametrize(
@@ -74,10 +43,10 @@ def _one_step(*, clipping="flat", loss_reduction="mean", mode="hooks", accumulat
 )
 def test_measured_noise_std_matches(case, kwargs, expected):
     torch.manual_seed(1)
-    rec, dp_opt, sigma_before_step = _one_step(**kwargs)
-    assert len(rec.seen) == 1
-    records = rec.seen[0]
-    sigmas = {r["sigma"] for r in records}
+    cap, dp_opt, sigma_before_step = one_step(**kwargs)
+    assert len(cap.steps) == 1
+    records = cap.steps[0]
+    sigmas = {r.sigma for r in records}
     assert len(sigmas) == 1
     sigma = sigmas.pop()
     # Opacus computes the per-layer norm ‖C‖ in float32
@@ -90,7 +59,7 @@ def test_measured_noise_std_matches(case, kwargs, expected):
 
 def test_adaclip_sigma_uses_bound_before_update():
     torch.manual_seed(2)
-    rec, dp_opt, _ = _one_step(
+    cap, dp_opt, _ = one_step(
         clipping="adaptive",
         target_unclipped_quantile=0.9,
         clipbound_learning_rate=0.5,
@@ -99,7 +68,7 @@ def test_adaclip_sigma_uses_bound_before_update():
         unclipped_num_std=2.0,
     )
     assert float(dp_opt.max_grad_norm) != pytest.approx(C)  # the bound moved after the step
-    assert rec.seen[0][0]["sigma"] == pytest.approx((NM**-2 - 4.0**-2) ** -0.5 * C / B, rel=1e-9)
+    assert cap.steps[0][0].sigma == pytest.approx((NM**-2 - 4.0**-2) ** -0.5 * C / B, rel=1e-9)
 
 
 def test_noise_std_rejects_plain_optimizer():

@@ -1,160 +1,88 @@
 """``peft-lalora`` command line.
 
-``peft-lalora federate`` runs DP federated fine-tuning with one of the four LoRA schemes of the LA-LoRA
-paper (which are four ``LALoraConfig.alternation`` modes) and an optional low-pass filter, in-process
-(default) or on a real local Flower federation, and writes a JSON result: test accuracy per round,
-each client's ε at δ, and the full configuration.
+``peft-lalora federate`` runs DP federated fine-tuning of *your* sequence classifier on *your* data with one of
+the four LoRA schemes of the LA-LoRA paper (four ``LALoraConfig.alternation`` modes) and an optional low-pass
+filter, in-process (default) or on a real local Flower federation, and writes a JSON result: test accuracy
+per round, each client's ε at δ, and the full configuration. Its flags are the fields of
+:class:`~peft_lalora.federated.federation.FederationConfig` (one flag per field, same name, same default), plus
+how to run it.
 
 Example::
 
-    peft-lalora federate --algo la-lora --filter binomial5 --clients 8 --alpha 0.1 --epsilon 1 \\
-        --rounds 10 --local-steps 5 --seed 0 --model tiny --out results.json
+    peft-lalora federate --model ./my-bert --data reviews.csv --text-column text --label-column label \\
+        --algo la-lora --filter binomial5 --num-clients 8 --alpha 0.1 --epsilon 1 --rounds 10 --out results.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["add_dataclass_arguments", "build_parser", "config_from_args", "dataclass_from_args", "main"]
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, exclude: Sequence[str] = ()) -> None:
+    """One ``--field-name`` flag per field of the dataclass ``cls``: type and default from the field's default
+    (or ``field.metadata["type"]``), help from ``metadata["help"]``, ``metadata["choices"]`` if any; booleans get
+    ``--x / --no-x``, lists take one or more values."""
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata.get("help", "")}
+        if "choices" in f.metadata:
+            kw["choices"] = list(f.metadata["choices"])
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif isinstance(default, (list, tuple)):
+            kind = f.metadata.get("type") or (type(default[0]) if default else str)
+            parser.add_argument(flag, nargs="*", type=kind, **{**kw, "default": list(default)})
+        else:
+            parser.add_argument(flag, type=f.metadata.get("type") or type(default), **kw)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass ``cls`` from parsed arguments (fields not in ``args`` keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)})
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .federated.federation import ALGORITHMS, FILTERS, PARTITIONS, TASKS
+    from .federated.federation import FederationConfig
 
     parser = argparse.ArgumentParser(prog="peft-lalora", description="LA-LoRA tools")
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser(
         "federate",
         help="DP federated LoRA fine-tuning (LA-LoRA and baselines)",
-        description="DP federated LoRA fine-tuning; algorithms: "
-        + ", ".join(f"{k} (alternation={v!r})" for k, v in ALGORITHMS.items()),
+        description=__doc__.split("\n\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    f.add_argument("--algo", choices=sorted(ALGORITHMS), default="la-lora")
-    f.add_argument("--filter", choices=sorted(FILTERS), default="none", help="post-noise low-pass filter")
-    f.add_argument(
-        "--model",
-        choices=list(TASKS),
-        default="tiny",
-        help="tiny: random tiny BERT on generated data; minilm-rt: all-MiniLM-L6-v2 on Rotten Tomatoes (packaged)",
-    )
-    f.add_argument("--clients", type=_positive_int, default=8)
-    f.add_argument("--partition", choices=list(PARTITIONS), default="dirichlet", help="group: by movie (minilm-rt)")
-    f.add_argument("--alpha", type=float, default=0.1, help="Dirichlet label-skew concentration")
-    f.add_argument("--epsilon", type=float, default=1.0, help="target ε per client (<= 0: use --noise-multiplier)")
-    f.add_argument("--noise-multiplier", type=float, default=1.0)
-    f.add_argument("--delta", type=float, default=1e-5)
-    f.add_argument("--rounds", type=_positive_int, default=3)
-    f.add_argument("--local-steps", type=_positive_int, default=5)
-    f.add_argument("--fraction", type=float, default=1.0, help="fraction of clients per round")
-    f.add_argument("--batch-size", type=_positive_int, default=16, help="expected Poisson batch size")
-    f.add_argument("--lr", type=float, default=5e-3)
-    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    f.add_argument("--max-grad-norm", type=float, default=1.0)
-    f.add_argument("--server-lr", type=float, default=1.0)
-    f.add_argument(
-        "--max-update-norm",
-        type=float,
-        default=0.0,
-        help="server-side bound on each client's update norm ||state - global|| (0: no bound)",
-    )
-    f.add_argument("--update-norm-policy", choices=["clip", "reject"], default="clip")
-    f.add_argument(
-        "--aggregation",
-        choices=["mean", "trimmed_mean"],
-        default="mean",
-        help="weighted FedAvg, or Flower's coordinate-wise trimmed mean (robust to outlier clients)",
-    )
-    f.add_argument("--trim-fraction", type=float, default=0.1, help="trimmed_mean: share cut at each end")
-    f.add_argument("--rank", type=_positive_int, default=4)
-    f.add_argument("--lora-alpha", type=int, default=8)
-    f.add_argument("--first-factor", choices=["B", "A"], default="B")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument(
-        "--reproducible-noise",
-        action="store_true",
-        help="seed DP noise and Poisson sampling from (seed, client, round) instead of OS entropy — for "
-        "experiments only: NOT private against whoever knows the seed",
-    )
-    f.add_argument("--n-train", type=int, default=512, help="training examples (minilm-rt: subsample, 0 = all)")
-    f.add_argument("--n-test", type=int, default=256, help="test examples (minilm-rt: subsample, 0 = all)")
-    f.add_argument("--seq-len", type=int, default=0, help="tokens per example (0: tiny 16, minilm-rt 64)")
-    f.add_argument(
-        "--frozen-layers",
-        type=int,
-        default=0,
-        help="bottom encoder layers frozen without adapter and computed once per example (exact speed-up; "
-        "LoRA goes on the layers above)",
-    )
-    f.add_argument(
-        "--pooling",
-        choices=["cls", "mean"],
-        default="cls",
-        help="sentence representation for the head: the model's [CLS] pooler, or the masked mean of the last "
-        "hidden states (needs --frozen-layers >= 1)",
-    )
-    f.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
-    f.add_argument(
+    add_dataclass_arguments(f, FederationConfig)
+    run = f.add_argument_group("how to run it")
+    run.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
+    run.add_argument(
         "--insecure",
         action="store_true",
         help="flower runner: no TLS and no SuperNode authentication (local testing only; see docs/deployment.md)",
     )
-    f.add_argument("--threads", type=int, default=0, help="torch threads per process (0: leave default)")
-    f.add_argument("--timeout", type=float, default=3600.0, help="flower runner: seconds before giving up")
-    f.add_argument("--out", type=Path, default=Path("results.json"))
-    f.add_argument("--no-progress", action="store_true")
+    run.add_argument("--threads", type=int, default=0, help="torch threads per process (0: leave default)")
+    run.add_argument("--timeout", type=float, default=3600.0, help="flower runner: seconds before giving up")
+    run.add_argument("--out", type=Path, default=Path("results.json"))
+    run.add_argument("--no-progress", action="store_true")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The ``FederationConfig`` of parsed ``federate`` arguments (also used by benchmarks/federated.py)."""
+    """The ``FederationConfig`` of parsed ``federate`` arguments."""
     from .federated.federation import FederationConfig
 
-    return FederationConfig(
-        task=args.model,
-        algo=args.algo,
-        filter=args.filter,
-        first_factor=args.first_factor,
-        num_clients=args.clients,
-        partition=args.partition,
-        alpha=args.alpha,
-        rounds=args.rounds,
-        local_steps=args.local_steps,
-        fraction=args.fraction,
-        server_lr=args.server_lr,
-        max_update_norm=args.max_update_norm,
-        update_norm_policy=args.update_norm_policy,
-        aggregation=args.aggregation,
-        trim_fraction=args.trim_fraction,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        max_grad_norm=args.max_grad_norm,
-        epsilon=args.epsilon,
-        noise_multiplier=args.noise_multiplier,
-        delta=args.delta,
-        rank=args.rank,
-        lora_alpha=args.lora_alpha,
-        seed=args.seed,
-        reproducible_noise=args.reproducible_noise,
-        n_train=args.n_train,
-        n_test=args.n_test,
-        seq_len=args.seq_len,
-        frozen_layers=args.frozen_layers,
-        pooling=args.pooling,
-    )
+    return dataclass_from_args(FederationConfig, args)
 
 
 def federate(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "federate":
         try:
             out = federate(args)
-        except (ValueError, RuntimeError, TimeoutError) as err:
+        except (ValueError, RuntimeError, TimeoutError, FileNotFoundError) as err:
             print(f"peft-lalora federate: error: {err}", file=sys.stderr)
             return 2
         acc = out["accuracy"]

@@ -51,7 +51,6 @@ __all__ = [
     "ClientConfig",
     "ClientUpdate",
     "DPClient",
-    "Evaluator",
     "NamedInputsLoss",
     "REPRODUCIBLE_NOISE_NOTE",
     "ReplayedRoundError",
@@ -474,52 +473,3 @@ class DPClient:
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sample_rate,
         )
-
-
-# ----------------------------------------------------------------------------------------------- server eval
-class Evaluator:
-    """Server-side accuracy of a global adapter state on a held-out set (one model, built once)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        peft_config: Any,
-        test_data: torch.utils.data.Dataset,
-        *,
-        batch_size: int = 256,
-        device: str = "cpu",
-        input_names: Sequence[str] | None = None,
-    ) -> None:
-        from peft import PeftModel, get_peft_model
-
-        #: keyword names of the batch's input tensors (default: input_ids, attention_mask[, token_type_ids])
-        self.input_names = None if input_names is None else tuple(input_names)
-        self.model = model if isinstance(model, PeftModel) else get_peft_model(model, peft_config)
-        self.device = torch.device(device)
-        self.model.to(self.device).eval()
-        self.params = trainable_parameters(self.model)
-        self.loader = torch.utils.data.DataLoader(test_data, batch_size=batch_size, shuffle=False)
-
-    def initial_state(self) -> dict[str, torch.Tensor]:
-        """The adapter state of the freshly built model (the federation's starting point)."""
-        return adapter_state(self.params)
-
-    @torch.no_grad()
-    def __call__(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """``{"accuracy", "loss"}`` of the model with ``state`` loaded (labels are the last batch tensor)."""
-        load_adapter_state(self.params, state)
-        self.model.eval()
-        correct = torch.zeros((), dtype=torch.long, device=self.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        n = 0
-        for batch in self.loader:
-            batch = [t.to(self.device) for t in batch]
-            *inputs, labels = batch
-            keys = self.input_names or ("input_ids", "attention_mask", "token_type_ids")[: len(inputs)]
-            logits = self.model(**dict(zip(keys, inputs, strict=True))).logits
-            correct += (logits.argmax(-1) == labels).sum()
-            loss += nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
-            n += labels.shape[0]
-        if n == 0:
-            raise ValueError("empty evaluation set")
-        return {"accuracy": float(correct) / n, "loss": float(loss) / n}

@@ -46,14 +46,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-# Only flwr and the standard library at import time: the launcher copies this file into the Flower app
-# as a top-level module, so that the per-message ClientApp processes start quickly; torch
-# and peft_lalora are imported (with absolute imports) inside the handlers that need them.
+# The Flower app is loaded by module path (``peft_lalora.federated.flower_app:server_app`` /
+# ``:client_app``) from the installed package; torch and the federated building blocks are imported inside
+# the handlers, so importing this module stays cheap.
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from peft_lalora.federated.federation import FederationConfig
-    from peft_lalora.federated.ledger import PrivacyLedger
+    from .federation import FederationConfig
+    from .server import FederationServer
 
 __all__ = ["LALoraStrategy", "assign_partitions", "client_app", "server_app"]
 
@@ -79,7 +77,7 @@ def _set_threads(context: Context) -> None:
 
 
 def _config(context: Context) -> FederationConfig:
-    from peft_lalora.federated.federation import FederationConfig
+    from .federation import FederationConfig
 
     return FederationConfig.from_dict(context.run_config, extra_keys=(RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY))
 
@@ -126,7 +124,7 @@ def _assigned_partition(msg: Message, context: Context) -> int:
 
 
 def _client_for(cfg: FederationConfig, context: Context, pid: int) -> Any:
-    from peft_lalora.federated.federation import build_client, build_partition, build_task
+    from .federation import build_client, build_partition, build_task
 
     key = (int(context.run_id), pid)
     client = _CLIENTS.get(key)
@@ -191,27 +189,16 @@ def _train(msg: Message, context: Context) -> Message:
 
 # ================================================================================================ server
 class LALoraStrategy(FedAvg):
-    """FedAvg over LALoRA adapters with server-side partition assignment, validation and a privacy ledger.
+    """Flower's FedAvg driving a :class:`~peft_lalora.federated.server.FederationServer`: server-side partition
+    assignment, replies attributed by sender, validation, the privacy ledger and the round records.
 
     Args:
-        cfg: the run.
+        server: the federation's server state (global adapter, sizes, σ/q, ledger, records).
         node_of: ``{partition_id: node_id}`` as the server assigned it (:func:`assign_partitions`).
-        global_state: the initial global adapter (the strategy tracks the current one, because the
-            server learning rate and the validation need it).
-        ledger: per-client privacy ledger (charged when a message is sent, updated from the replies).
-        sizes: the number of examples of every partition, as the server computed them (FedAvg weights).
-        privacy: ``{partition_id: (σ, q)}`` as the server computes them (:func:`.client.privacy_parameters`).
     """
 
-    def __init__(
-        self,
-        cfg: FederationConfig,
-        node_of: dict[int, int],
-        global_state: dict[str, torch.Tensor],
-        ledger: PrivacyLedger,
-        sizes: list[int],
-        privacy: dict[int, tuple[float, float]],
-    ) -> None:
+    def __init__(self, server: FederationServer, node_of: dict[int, int]) -> None:
+        cfg = server.cfg
         super().__init__(
             fraction_train=cfg.fraction,
             fraction_evaluate=0.0,
@@ -221,26 +208,21 @@ class LALoraStrategy(FedAvg):
         )
         if sorted(node_of) != list(range(cfg.num_clients)) or len(set(node_of.values())) != cfg.num_clients:
             raise ValueError(f"node_of must map partitions 0..{cfg.num_clients - 1} to distinct nodes, got {node_of}")
-        if len(sizes) != cfg.num_clients or sorted(privacy) != list(range(cfg.num_clients)):
-            raise ValueError("sizes and privacy must cover every partition")
-        self.cfg = cfg
+        self.server = server
         self.node_of = dict(node_of)
         self.partition_of = {n: p for p, n in self.node_of.items()}
-        self.sizes = list(sizes)
-        self.privacy = dict(privacy)
-        self.global_state = dict(global_state)
-        self.ledger = ledger
-        self.records: list[dict[str, Any]] = []
-        self._expected: dict[int, set[int]] = {}  #: round -> partitions sent a train message
+        self._sent: dict[int, set[int]] = {}  #: round -> partitions sent a train message
+
+    @property
+    def global_state(self) -> dict[str, Any]:
+        return self.server.global_state
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        from peft_lalora.federated.federation import sample_clients
-
-        sampled = sample_clients(self.cfg, server_round)
+        sampled = self.server.start_round(server_round)  # charges the ledger
         _log(INFO, "configure_train: round %s, partitions %s", server_round, sampled)
-        self._expected[server_round] = set(sampled)
+        self._sent[server_round] = set(sampled)
         messages = []
         for pid in sampled:
             cfg_record = ConfigRecord(dict(config))
@@ -248,96 +230,70 @@ class LALoraStrategy(FedAvg):
             cfg_record["partition-id"] = pid
             content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg_record})
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=self.node_of[pid]))
-            sigma, q = self.privacy[pid]
-            self.ledger.charge(pid, sigma, q, self.cfg.local_steps)  # spent once sent, whatever comes back
         return messages
 
     def _attribute(self, server_round: int, msg: Message, seen: set[int]) -> int:
         """The partition a reply belongs to, from its sender's node id; ``ValueError`` if it is not admissible."""
         src = msg.metadata.src_node_id
         pid = self.partition_of.get(src)
-        if pid is None or pid not in self._expected.get(server_round, set()):
+        if pid is None or pid not in self._sent.get(server_round, set()):
             raise ValueError(f"reply from node {src}, which was not sent a train message for round {server_round}")
         if pid in seen:
             raise ValueError(f"second reply from node {src} (partition {pid}) in round {server_round}")
         seen.add(pid)
         return pid
 
+    def _admit(self, pid: int, msg: Message) -> None:
+        """Check one reply against the assignment and hand it to the server (``ValueError``/... if malformed)."""
+        m = next(iter(msg.content.metric_records.values()))
+        a = next(iter(msg.content.array_records.values()))
+        history = _history(m)
+        claimed = int(_number(m, "partition-id"))
+        n = int(_number(m, "num-examples"))
+        problem = None
+        if claimed != pid:
+            problem = f"claims partition {claimed} but was assigned partition {pid}"
+        elif n != self.server.sizes[pid]:
+            problem = f"claims {n} examples but partition {pid} has {self.server.sizes[pid]}"
+        if problem is not None:
+            self.server.reject(pid, f"node {msg.metadata.src_node_id}: rejected reply ({problem})", history=history)
+            return
+        self.server.receive(pid, state=a.to_torch_state_dict(), history=history, loss=float(_number(m, "train-loss")))
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """FedAvg of the valid replies. Error replies, malformed or inconsistent replies and invalid updates are
-        dropped with their reasons; if none is left (``AggregationError``) the previous global adapter is kept
-        and the round's record carries ``error`` — one bad round does not end the run."""
-        from peft_lalora.federated.aggregate import AggregationError
-        from peft_lalora.federated.federation import aggregate_updates
-
-        states, ids, losses = [], [], []
-        errors: list[tuple[int | None, str]] = []
+        """Hand every admissible reply to the server and finish the round. Error replies, malformed or
+        inconsistent replies and invalid updates are recorded with their reasons; a round with no valid update
+        keeps the previous global adapter (``error`` in its record) — one bad round does not end the run."""
         seen: set[int] = set()
         for msg in replies:
             src = msg.metadata.src_node_id
             try:
                 pid = self._attribute(server_round, msg, seen)
             except ValueError as err:
-                errors.append((None, str(err)))
+                self.server.reject(None, str(err))
                 continue
             if msg.has_error():
-                errors.append((pid, f"node {src}: {msg.error.reason}"))
+                self.server.reject(pid, f"node {src}: {msg.error.reason}")
                 continue
             try:  # replies are remote input: any malformed field rejects that reply only
-                m = next(iter(msg.content.metric_records.values()))
-                a = next(iter(msg.content.array_records.values()))
-                self.ledger.record(pid, _history(m))  # privacy was spent even if the update is rejected below
-                claimed = int(_number(m, "partition-id"))
-                if claimed != pid:
-                    raise ValueError(f"claims partition {claimed} but was assigned partition {pid}")
-                n = int(_number(m, "num-examples"))
-                if n != self.sizes[pid]:
-                    raise ValueError(f"claims {n} examples but partition {pid} has {self.sizes[pid]}")
-                state = a.to_torch_state_dict()
-                loss = float(_number(m, "train-loss"))
+                self._admit(pid, msg)
             except (StopIteration, KeyError, TypeError, ValueError) as err:
-                errors.append((pid, f"node {src}: rejected reply ({type(err).__name__}: {err})"))
-                continue
-            states.append(state)
-            ids.append(pid)
-            losses.append(loss)
-        for _, e in errors:
-            _log(WARNING, "round %s: %s", server_round, e)
-        error: str | None = None
-        try:
-            if not states:
-                raise AggregationError("no valid reply", [])
-            result = aggregate_updates(self.cfg, self.global_state, states, [self.sizes[p] for p in ids], ids)
-            rejected = result.rejected
-            self.global_state = result.state
-        except AggregationError as err:
-            error = f"aggregation failed, global state kept: {err}"
-            rejected = err.rejected
-            _log(WARNING, "round %s: %s", server_round, error)
-        for r in rejected:
-            _log(WARNING, "round %s: rejected update of partition %s: %s", server_round, r.client, r.reason)
-        good = [x for x in losses if not math.isnan(x)]
-        self.records.append(
-            {
-                "round": server_round,
-                "clients": sorted(self._expected.get(server_round, set())),
-                "train_loss": sum(good) / len(good) if good else math.nan,
-                "rejected": [{"client": r.client, "reason": r.reason} for r in rejected]
-                + [{"client": c, "reason": e} for c, e in errors],
-                "max_epsilon": self.ledger.max_epsilon,
-                "error": error,
-            }
-        )
+                self.server.reject(pid, f"node {src}: rejected reply ({type(err).__name__}: {err})")
+        rec = self.server.finish_round()
+        for r in rec.rejected:
+            _log(WARNING, "round %s: client %s: %s", server_round, r["client"], r["reason"])
+        if rec.error is not None:
+            _log(WARNING, "round %s: %s", server_round, rec.error)
         metrics = MetricRecord(
             {
-                "max-epsilon": self.ledger.max_epsilon,
-                "num-rejected": len(rejected) + len(errors),
-                "round-failed": int(error is not None),
+                "max-epsilon": rec.max_epsilon,
+                "num-rejected": len(rec.rejected),
+                "round-failed": int(rec.error is not None),
             }
         )
-        return ArrayRecord(self.global_state), metrics
+        return ArrayRecord(self.server.global_state), metrics
 
 
 def assign_partitions(nodes: Iterable[int], num_clients: int) -> dict[int, int]:
@@ -368,61 +324,29 @@ def _server_main(grid: Grid, context: Context) -> None:
     to ``result-path`` / ``state-path`` when given."""
     import torch
 
-    from peft_lalora.federated.client import privacy_parameters
-    from peft_lalora.federated.federation import build_evaluator, build_partition, build_task, noise_record
-    from peft_lalora.federated.ledger import PrivacyLedger
-    from peft_lalora.federated.simulation import FederationResult, RoundRecord
+    from .federation import noise_record
+    from .server import FederationServer
 
     t0 = time.perf_counter()
     _set_threads(context)
     cfg = _config(context)
-    noise = noise_record(cfg)
     if cfg.reproducible_noise:
-        _log(WARNING, "reproducible-noise is on: %s", noise["note"])
+        _log(WARNING, "reproducible-noise is on: %s", noise_record(cfg)["note"])
     nodes = wait_for_nodes(grid, cfg.num_clients)
     node_of = assign_partitions(nodes, cfg.num_clients)
     _log(INFO, "partition assignment {partition: node}: %s", node_of)
-    task = build_task(cfg)
-    partition = build_partition(cfg, task)
-    evaluator = build_evaluator(cfg, task)
-    initial_state = evaluator.initial_state()
-    ledger = PrivacyLedger(cfg.delta, cfg.accountant)
-    for c in range(cfg.num_clients):
-        ledger.register(c)
-    client_cfg = cfg.client_config()
-    privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(partition.sizes)}
-    strategy = LALoraStrategy(cfg, node_of, initial_state, ledger, partition.sizes, privacy)
-    evals: dict[int, dict[str, float]] = {}
+    server, _, _ = FederationServer.build(cfg)
+    strategy = LALoraStrategy(server, node_of)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        evals[server_round] = m = evaluator(arrays.to_torch_state_dict())
+        m = server.initial if server_round == 0 else {"accuracy": server.rounds[-1].accuracy,
+                                                      "loss": server.rounds[-1].loss}  # fmt: skip
         return MetricRecord({"accuracy": m["accuracy"], "loss": m["loss"]})
 
-    strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_state), num_rounds=cfg.rounds, evaluate_fn=evaluate_fn)
-    rounds = [
-        RoundRecord(
-            round=rec["round"],
-            clients=rec["clients"],
-            accuracy=evals[rec["round"]]["accuracy"],
-            loss=evals[rec["round"]]["loss"],
-            train_loss=rec["train_loss"],
-            rejected=rec["rejected"],
-            max_epsilon=rec["max_epsilon"],
-            error=rec["error"],
-        )
-        for rec in strategy.records
-    ]
-    result = FederationResult(
-        config=cfg.to_dict(),
-        runner="flower",
-        initial=evals[0],
-        rounds=rounds,
-        privacy=ledger.report(),
-        partition=partition.summary(),
-        state=strategy.global_state,
-        wall_s=time.perf_counter() - t0,
-        noise=noise,
+    strategy.start(
+        grid=grid, initial_arrays=ArrayRecord(server.global_state), num_rounds=cfg.rounds, evaluate_fn=evaluate_fn
     )
+    result = server.result("flower", time.perf_counter() - t0)
     out = str(context.run_config.get(RESULT_PATH_KEY, "") or "")
     if out:
         result.save(out)
@@ -433,5 +357,5 @@ def _server_main(grid: Grid, context: Context) -> None:
     _log(
         INFO,
         "LA-LoRA federation done: %s",
-        json.dumps({"accuracy": result.accuracy, "max_epsilon": ledger.max_epsilon}),
+        json.dumps({"accuracy": result.accuracy, "max_epsilon": server.ledger.max_epsilon}),
     )

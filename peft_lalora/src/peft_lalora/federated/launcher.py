@@ -55,7 +55,8 @@ from .node_keys import NodeKeys, generate_node_keys
 __all__ = ["INSECURE_WARNING", "LocalFederation", "TLSConfig", "free_port", "run_flower", "write_flower_app"]
 
 MARKER = "LALORA_FEDERATION_ID"
-APP_MODULE = "lalora_flower_app"
+#: the Flower app's components, imported by module path from the installed peft-lalora package
+APP_MODULE = "peft_lalora.federated.flower_app"
 CONNECTION = "lalora-local"
 INSECURE_WARNING = (
     "insecure=True: the federation's traffic (adapters, updates, run configuration) is unencrypted and "
@@ -79,9 +80,9 @@ def _toml_value(v: Any) -> str:
 
 
 def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Path:
-    """Write a Flower app to ``directory``: ``pyproject.toml`` with ``run_config`` as
-    ``[tool.flwr.app.config]`` and ``lalora_flower_app.py`` (a copy of :mod:`.flower_app`) providing
-    ``server_app`` / ``client_app``."""
+    """Write a Flower app to ``directory``: a ``pyproject.toml`` with ``run_config`` as
+    ``[tool.flwr.app.config]`` whose components are :mod:`peft_lalora.federated.flower_app`'s ``server_app`` /
+    ``client_app``, imported by module path from the installed package (no source is copied)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -108,11 +109,6 @@ def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Pa
         "",
     ]
     (d / "pyproject.toml").write_text("\n".join(lines))
-    # The app module is flower_app.py itself, copied as a top-level module: it imports only flwr at
-    # import time (not the peft_lalora package, whose __init__ pulls in peft/transformers), which keeps
-    # the per-message ClientApp processes of the handshake cheap.
-    source = resources.files("peft_lalora.federated").joinpath("flower_app.py").read_text(encoding="utf-8")
-    (d / f"{APP_MODULE}.py").write_text(source, encoding="utf-8")
     return d
 
 

@@ -1,13 +1,13 @@
-"""Centralized evidence benchmark (paper A; issue 6 item 3, issue 5 item 3): DP-LoRA with and without denoisers.
+"""Centralized benchmark (paper A, arXiv 2510.01137): DP-LoRA with and without denoisers on Rotten Tomatoes.
 
-    python benchmarks/centralized.py                       # all-MiniLM-L6-v2 / Rotten Tomatoes (see docs/results.md)
-    python benchmarks/centralized.py --model tiny --steps 2 --seeds 0 --epsilons 3 --baseline-epsilons 6 --out /tmp/c
-    python benchmarks/centralized.py --replot              # PNG + tables from docs/results/centralized.json
+    dp-bench centralized                       # all-MiniLM-L6-v2 / Rotten Tomatoes (see docs/results.md)
+    dp-bench centralized --model tiny --steps 2 --seeds 0 --epsilons 3 --baseline-epsilons 6 --out /tmp/c
+    dp-bench centralized --replot              # PNG + tables from docs/results/centralized.json
 
 Protocol:
 
-* Model/data/caching as in ``benchmarks/_common.py`` (all-MiniLM-L6-v2, packaged Rotten Tomatoes, max_length
-  48, frozen bottom layers cached exactly, LoRA on the top ``--top-layers`` layer(s) + classifier head).
+* Model/data/caching: :func:`dp_bench.task.frozen_text_task` (all-MiniLM-L6-v2, packaged Rotten Tomatoes,
+  max_length 48, frozen bottom layers cached exactly), LoRA on the top ``--top-layers`` layer(s) + classifier head.
 * DP-SGD (Opacus, Poisson sampling, flat clipping C, AdamW), a fixed budget of ``--steps`` logical steps of
   expected batch ``--batch-size``; the noise multiplier is calibrated (PRV accountant, δ = 1e-5) so those
   steps reach exactly the target ε. Denoising is post-processing: it does not change ε.
@@ -28,22 +28,64 @@ Protocol:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from ..adapters import Trainable, build_top
+from ..analysis import crossing_step, eps_at_accuracy, fmt, gated_gain_stats, global_cos_stats, mean_std
+from ..config import as_json, command_line, opt, parse_config
+from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..task import frozen_text_task
+from ..train import evaluate, run_dp
 
-DEFAULT_OUT = C.RESULTS
+__all__ = ["Config", "analyze", "crossing_step", "eps_at_accuracy", "main", "method_hooks", "planned_runs", "replot",
+           "run", "tables"]  # fmt: skip
+
+METHODS = ["dp-lora", "rmt", "lowpass", "rmt+lowpass", "doppler", "rmt+doppler"]
+
+
+@dataclass
+class Config:
+    model: str = opt("minilm", "minilm or tiny", choices=("minilm", "tiny"))
+    max_length: int = opt(48, "tokens per example")
+    top_layers: int = opt(1, "trained top encoder layers (the rest is cached)")
+    trainable: str = opt("lora:qv:8", "'lora:<targets>:<rank>' or 'full'")
+    batch_size: int = opt(256, "expected logical (Poisson) batch size")
+    physical_batch: int = opt(256, "physical batch size")
+    steps: int = opt(40, "fixed logical step budget per run")
+    eval_every: int = opt(8, "evaluate every N steps")
+    epsilons: list[float] = opt([3.0, 8.0], "privacy levels")
+    baseline_epsilons: list[float] = opt([1.5, 5.0, 16.0], "extra ε for the baseline only (accuracy-vs-ε curve for 'ε saved')")
+    methods: list[str] = opt(METHODS, "dp-lora and '+'-joined post_hooks")
+    doppler_epsilons: list[float] = opt([], "run the doppler methods only at these ε (empty: all --epsilons)", type=float)
+    seeds: list[int] = opt([0, 1, 2], "training seeds")
+    order: str = opt("seed", "execution order, see planned_runs", choices=("seed", "priority"))
+    lr: float = opt(5e-3, "AdamW learning rate")
+    max_grad_norm: float = opt(1.0, "clipping bound C")
+    tiny_train: int = opt(256, "--model tiny: synthetic train size")
+    tiny_test: int = opt(64, "--model tiny: synthetic test size")
+    threads: int = opt(0, "torch threads (0: torch's choice)")
+    time_budget: float = opt(0.0, "seconds; no new run starts after it (0: none)")
+    resume: bool = opt(False, "keep the runs already in <out>/centralized.json")
+    out: Path = opt(RESULTS, "output folder")
+    replot: bool = opt(False, "only regenerate PNG/tables from <out>/centralized.json")
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.eval_every < 1 or self.batch_size < 1:
+            raise ValueError("--steps, --eval-every and --batch-size must be >= 1")
+        if BASELINE not in self.methods:
+            raise ValueError(f"--methods must include the baseline {BASELINE!r}")
+        Trainable.parse(self.trainable)
+
+
 BASELINE = "dp-lora"
 
 
@@ -59,7 +101,12 @@ def calibrate(eps: float, sample_rate: float, steps: int, delta: float = 1e-5) -
                                       steps=steps, accountant="prv"))
 
 
-def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+def hook_specs(names: Sequence[str]) -> list[Any]:
+    """post_hooks for a method: ``rmt`` with per-matrix diagnostics (which matrices were gated)."""
+    return [("rmt", {"diagnostics": True}) if n == "rmt" else n for n in names]
+
+
+def planned_runs(args: Config) -> list[tuple[str, float, int]]:
     """(method, ε, seed) in execution order.
 
     ``--order seed``: seed-major (every method and ε of seed 0, then seed 1, ...; the extra baseline ε last
@@ -75,12 +122,12 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     return core + extra + [r for r in runs if r not in core and r not in extra]
 
 
-def seed_major(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+def seed_major(args: Config) -> list[tuple[str, float, int]]:
     runs = []
     for seed in args.seeds:
         for eps in args.epsilons:
             for m in args.methods:
-                if "doppler" in m and args.doppler_epsilons is not None and eps not in args.doppler_epsilons:
+                if "doppler" in m and args.doppler_epsilons and eps not in args.doppler_epsilons:
                     continue
                 runs.append((m, eps, seed))
         for eps in args.baseline_epsilons:
@@ -93,14 +140,14 @@ def run_key(method: str, eps: float, seed: int) -> str:
     return f"{method}|{eps:g}|{seed}"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.quiet_warnings()
+def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    quiet_warnings()
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    task = C.load_cached_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
-                              tiny_test=args.tiny_test)
-    n_train = int(task.train_y.shape[0])
+    task = frozen_text_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
+                            tiny_test=args.tiny_test)  # fmt: skip
+    n_train = len(task.train)
     q = args.batch_size / n_train
     path = args.out / "centralized.json"
     result: dict[str, Any]
@@ -109,14 +156,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         result = {"runs": {}}
     result.update({
-        "command": "python benchmarks/centralized.py " + " ".join(args.argv),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "argv"},
-        "data": dict(task.info, train=n_train, test=int(task.test_y.shape[0])),
+        "command": command_line("centralized", argv),
+        "config": as_json(args),
+        "data": dict(task.info, train=n_train, test=len(task.test)),
         "sample_rate": q,
-        "versions": C.versions(),
-        "machine": C.machine(),
+        "versions": versions(),
+        "machine": machine(),
     })
-    tr = C.Trainable.parse(args.trainable)
+    tr = Trainable.parse(args.trainable)
     eval_at = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     acc0: dict[int, float] = {}
     plan = planned_runs(args)
@@ -133,12 +180,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["stopped_by_time_budget"] = True
             break
         nm = calibrate(eps, q, args.steps)
-        top = C.build_top(task, tr, seed)
+        top = build_top(task, tr, seed)
         if seed not in acc0:
-            acc0[seed] = C.evaluate(top, task)
-        r = C.run_dp(top, task, method_hooks(method), noise_multiplier=nm, batch_size=args.batch_size,
-                     steps=args.steps, seed=seed, lr=args.lr, max_grad_norm=args.max_grad_norm,
-                     physical_batch=args.physical_batch, eval_at=eval_at, desc=f"{method} eps={eps:g} s{seed}")
+            acc0[seed] = evaluate(top, task.test, task.input_names)["accuracy"]
+        r = run_dp(top, task.train, task.test, input_names=task.input_names,
+                   post_hooks=hook_specs(method_hooks(method)), noise_multiplier=nm, batch_size=args.batch_size,
+                   steps=args.steps, seed=seed, lr=args.lr, max_grad_norm=args.max_grad_norm,
+                   physical_batch=args.physical_batch, eval_at=eval_at, desc=f"{method} eps={eps:g} s{seed}")
         result["runs"][key] = {
             "method": method, "hooks": method_hooks(method), "target_epsilon": eps, "epsilon": r["epsilon"],
             "seed": seed, "noise_multiplier": nm, "curve": [(0, acc0[seed])] + r["curve"],
@@ -149,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["wall_seconds"] = time.perf_counter() - t_start
         path.write_text(json.dumps(result, default=float))
     bar.close()
-    result["machine"]["loadavg_end"] = C.machine()["loadavg"]
+    result["machine"]["loadavg_end"] = machine()["loadavg"]
     result["wall_seconds"] = time.perf_counter() - t_start
     result["analysis"] = analyze(result)
     path.write_text(json.dumps(result, default=float))
@@ -158,40 +206,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- analysis
-
-
-def crossing_step(curve: Sequence[Sequence[float]], target: float) -> float | None:
-    """First step at which the accuracy curve reaches ``target`` (linear interpolation between checkpoints)."""
-    prev = None
-    for s, a in curve:
-        if a >= target:
-            if prev is None or prev[1] >= target:
-                return float(s)
-            (s0, a0) = prev
-            return float(s0 + (target - a0) / (a - a0) * (s - s0))
-        prev = (s, a)
-    return None
-
-
-def eps_at_accuracy(eps_acc: Sequence[tuple[float, float]], acc: float) -> tuple[float | None, str]:
-    """ε at which the baseline reaches ``acc``: interpolation in log ε on the (running-max) accuracy curve.
-
-    Returns (ε, "") inside the measured range, or (None, "<min" / ">max") outside it.
-    """
-    pts = sorted(eps_acc)
-    if len(pts) < 2:
-        return None, "n/a"
-    es = np.log([p[0] for p in pts])
-    ac = np.maximum.accumulate([p[1] for p in pts])
-    if acc <= ac[0]:
-        return (float(pts[0][0]), "") if acc == ac[0] else (None, f"<{pts[0][0]:g}")
-    if acc > ac[-1]:
-        return None, f">{pts[-1][0]:g}"
-    i = int(np.searchsorted(ac, acc))  # ac[i-1] < acc <= ac[i]
-    if ac[i] == ac[i - 1]:
-        return float(math.exp(es[i])), ""
-    t = (acc - ac[i - 1]) / (ac[i] - ac[i - 1])
-    return float(math.exp(es[i - 1] + t * (es[i] - es[i - 1]))), ""
 
 
 def analyze(result: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +231,7 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
         base = by.get((BASELINE, e), {})
         finals = [r["curve"][-1][1] for r in seeds.values()]
         ckpts = [s for s, _ in next(iter(seeds.values()))["curve"]]
-        acc_ck = {str(s): C.mean_std([dict(map(tuple, r["curve"]))[s] for r in seeds.values()]) for s in ckpts}
+        acc_ck = {str(s): mean_std([dict(map(tuple, r["curve"]))[s] for r in seeds.values()]) for s in ckpts}
         speed, reached = [], 0
         eps_saved = []
         for s, r in seeds.items():
@@ -236,31 +250,31 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             mean_curve = _mean_curve([seeds[s] for s in common])
             t = crossing_step(mean_curve, float(np.mean([base[s]["curve"][-1][1] for s in common])))
             speed_mean_curve = None if t is None else 1.0 - t / steps
-        gated = C.gated_gain_stats([x for r in seeds.values() for x in r["per_step"]])
-        enc_gated = C.gated_gain_stats([dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
+        gated = gated_gain_stats([x for r in seeds.values() for x in r["per_step"]])
+        enc_gated = gated_gain_stats([dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
                                         for r in seeds.values() for x in r["per_step"]])
         n_gated = [sum(x.get("gated", 0) for x in r["per_step"]) for r in seeds.values()]
         n_mats = [sum(x.get("matrices", 0) for x in r["per_step"]) for r in seeds.values()]
-        cos = [C.global_cos_stats(r["per_step"]) for r in seeds.values()]
+        cos = [global_cos_stats(r["per_step"]) for r in seeds.values()]
         out[f"{m}|{e:g}"] = {
-            "method": m, "epsilon": e, "seeds": sorted(seeds), "final_acc": C.mean_std(finals),
+            "method": m, "epsilon": e, "seeds": sorted(seeds), "final_acc": mean_std(finals),
             "acc_at": acc_ck,
-            "speedup": C.mean_std(speed) if speed else (float("nan"), float("nan")),
+            "speedup": mean_std(speed) if speed else (float("nan"), float("nan")),
             "speedup_per_seed": speed, "speedup_mean_curve": speed_mean_curve, "reached_baseline_final": reached, "n_with_baseline": sum(1 for s in seeds if s in base),
             "eps_saved_per_seed": eps_saved,
-            "eps_saved": C.mean_std([x for x in eps_saved if isinstance(x, float)]),
+            "eps_saved": mean_std([x for x in eps_saved if isinstance(x, float)]),
             "eps_baseline_equal_acc_mean": eb_mean if eb_mean else flag_mean,
             "eps_saved_mean_curve": (1.0 - e / eb_mean) if eb_mean else flag_mean,
-            "cos_noisy": C.mean_std([c["cos_noisy"] for c in cos]),
-            "cos_denoised": C.mean_std([c["cos_denoised"] for c in cos]),
-            "cos_rel_gain": C.mean_std([c["rel_gain"] for c in cos]),
+            "cos_noisy": mean_std([c["cos_noisy"] for c in cos]),
+            "cos_denoised": mean_std([c["cos_denoised"] for c in cos]),
+            "cos_rel_gain": mean_std([c["rel_gain"] for c in cos]),
             "gated_gain": gated, "encoder_gated_gain": enc_gated,
             "gated": int(sum(n_gated)), "matrices": int(sum(n_mats)),
-            "seconds_per_step": C.mean_std([r["train_seconds"] / max(1, len(r["per_step"])) for r in seeds.values()]),
-            "rmt_seconds_per_step": C.mean_std([float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]]))
+            "seconds_per_step": mean_std([r["train_seconds"] / max(1, len(r["per_step"])) for r in seeds.values()]),
+            "rmt_seconds_per_step": mean_std([float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]]))
                                                 for r in seeds.values()]),
         }
-    out["_baseline_eps_curve"] = {f"{e:g}": C.mean_std([r["curve"][-1][1] for r in by[(BASELINE, e)].values()])
+    out["_baseline_eps_curve"] = {f"{e:g}": mean_std([r["curve"][-1][1] for r in by[(BASELINE, e)].values()])
                                   for e in sorted(mean_base)}
     return out
 
@@ -283,7 +297,7 @@ def tables(result: dict[str, Any]) -> str:
     for k, v in an.items():
         if k.startswith("_"):
             continue
-        cells = [C.fmt(tuple(v["acc_at"][c])) if c in v["acc_at"] else "–" for c in show]
+        cells = [fmt(tuple(v["acc_at"][c])) if c in v["acc_at"] else "–" for c in show]
         lines.append(f"| {v['epsilon']:g} | {v['method']} | {len(v['seeds'])} | " + " | ".join(cells) + " |")
     lines += ["", "#### Speed-up, ε saved, oracle cosines", "",
               "| ε | method | final acc | reached baseline final acc | step speed-up (seeds that reached) | speed-up (mean curves) | ε saved (per seed) | ε saved (mean curve) | global cos noisy → denoised | rmt-gated matrix-steps, gain > 0 (encoder only) | s/step |",
@@ -295,24 +309,24 @@ def tables(result: dict[str, Any]) -> str:
         gg = (f"{g['positive']}/{g['gated_layer_steps']} ({ge['positive']}/{ge['gated_layer_steps']})"
               if "rmt" in v["method"] else "–")
         es = v["eps_saved_per_seed"]
-        es_txt = C.fmt(tuple(v["eps_saved"]), 3, pct=True) if any(isinstance(x, float) for x in es) else "–"
+        es_txt = fmt(tuple(v["eps_saved"]), 3, pct=True) if any(isinstance(x, float) for x in es) else "–"
         if any(isinstance(x, str) for x in es):
             es_txt += " [" + ", ".join(x for x in es if isinstance(x, str)) + "]"
         em = v["eps_saved_mean_curve"]
         em_txt = f"{100 * em:.1f} %" if isinstance(em, float) else str(em)
         # the baseline row: the baseline against its own final accuracy (a reference: > 0 when its curve peaked earlier)
-        sp = C.fmt(tuple(v["speedup"]), 3, pct=True)
+        sp = fmt(tuple(v["speedup"]), 3, pct=True)
         smc = v.get("speedup_mean_curve")
         smc_txt = "not reached" if smc is None else f"{100 * smc:.1f} %"
         lines.append(
-            f"| {v['epsilon']:g} | {v['method']} | {C.fmt(tuple(v['final_acc']))} | "
+            f"| {v['epsilon']:g} | {v['method']} | {fmt(tuple(v['final_acc']))} | "
             f"{v['reached_baseline_final']}/{v['n_with_baseline']} | {sp} | {smc_txt} | "
             f"{es_txt if v['method'] != BASELINE else '–'} | {em_txt if v['method'] != BASELINE else '–'} | "
             f"{v['cos_noisy'][0]:.3f} → {v['cos_denoised'][0]:.3f} | {gg} | {v['seconds_per_step'][0]:.2f} |"
         )
     lines += ["", "#### Baseline accuracy vs ε (the curve for ε saved)", "", "| ε | DP-LoRA final acc |", "|---|---|"]
     for e, ms in an["_baseline_eps_curve"].items():
-        lines.append(f"| {e} | {C.fmt(tuple(ms))} |")
+        lines.append(f"| {e} | {fmt(tuple(ms))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -362,7 +376,7 @@ def replot(path: Path, out: Path) -> Path:
     ax.set_title("ε at equal accuracy", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.suptitle(f"{result['data'].get('model')} / Rotten Tomatoes, {C.Trainable.parse(cfg['trainable']).label}, "
+    fig.suptitle(f"{result['data'].get('model')} / Rotten Tomatoes, {Trainable.parse(cfg['trainable']).label}, "
                  f"top {cfg['top_layers']} layer(s), B = {cfg['batch_size']}, {cfg['steps']} steps", fontsize=10)
     fig.tight_layout()
     png = out / "centralized.png"
@@ -371,59 +385,13 @@ def replot(path: Path, out: Path) -> Path:
     return png
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("minilm", "tiny"), default="minilm")
-    p.add_argument("--max-length", type=int, default=48)
-    p.add_argument("--top-layers", type=int, default=1)
-    p.add_argument("--trainable", default="lora:qv:8", help="'lora:<targets>:<rank>' or 'full'")
-    p.add_argument("--batch-size", type=int, default=256, help="expected logical (Poisson) batch size")
-    p.add_argument("--physical-batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=40, help="fixed logical step budget per run")
-    p.add_argument("--eval-every", type=int, default=8)
-    p.add_argument("--epsilons", nargs="+", type=float, default=[3.0, 8.0])
-    p.add_argument("--baseline-epsilons", nargs="*", type=float, default=[1.5, 5.0, 16.0],
-                   help="extra ε for the baseline only (accuracy-vs-ε curve for 'ε saved')")
-    p.add_argument("--methods", nargs="+",
-                   default=["dp-lora", "rmt", "lowpass", "rmt+lowpass", "doppler", "rmt+doppler"])
-    p.add_argument("--doppler-epsilons", nargs="*", type=float, default=None,
-                   help="run the doppler methods only at these ε (default: all --epsilons)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--order", choices=("seed", "priority"), default="seed", help="execution order, see planned_runs")
-    p.add_argument("--lr", type=float, default=5e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--tiny-train", type=int, default=256)
-    p.add_argument("--tiny-test", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; no new run starts after it")
-    p.add_argument("--resume", action="store_true", help="keep the runs already in <out>/centralized.json")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--replot", action="store_true", help="only regenerate PNG/tables from <out>/centralized.json")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.steps < 1 or args.eval_every < 1 or args.batch_size < 1:
-        p.error("--steps, --eval-every and --batch-size must be >= 1")
-    if BASELINE not in args.methods:
-        p.error(f"--methods must include the baseline {BASELINE!r}")
-    try:
-        C.Trainable.parse(args.trainable)
-    except ValueError as err:
-        p.error(str(err))
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
-    args = parse_args(argv)
+    args = parse_config(Config, argv, prog="dp-bench centralized", description=__doc__.split("\n")[0])
     if args.replot:
         png = replot(args.out / "centralized.json", args.out)
         print(tables(json.loads((args.out / "centralized.json").read_text())))
         return png
-    result = run(args)
+    result = run(args, argv)
     print("\n" + tables(result))
     print(f"wall {result['wall_seconds']:.0f}s; wrote {args.out / 'centralized.json'}, {args.out / 'centralized.png'}")
     return result
-
-
-if __name__ == "__main__":
-    main()

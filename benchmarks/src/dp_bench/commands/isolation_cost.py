@@ -3,35 +3,52 @@
 With at least one denoiser installed, the engine copies the step's (denoised) gradients into fresh memory
 (:func:`opacus_spectral.installation.install_fresh_grads`) so that no tensor a denoiser saw is ever written by
 a later backward. Measured in one run, on all-MiniLM-L6-v2 with the shapes of ``benchmarks/overhead.py``
-(DP-LoRA r = 16, and DP full fine-tuning of every Linear), one thread: the median time of that copy over
+(:func:`dp_bench.commands.overhead.prepare`: DP-LoRA r = 16, and DP full fine-tuning of every Linear), one thread: the median time of that copy over
 the real gradients of a DP step, and the median time of the DP step itself (batch 32 × 64, hooks mode).
 
-    OMP_NUM_THREADS=1 python benchmarks/isolation_cost.py --out docs/results/isolation_cost.json
+    OMP_NUM_THREADS=1 dp-bench isolation-cost
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from overhead import prepare
 from torch import nn
 
 from opacus_spectral import PrivacyEngine
 from opacus_spectral.installation import install_fresh_grads
 
+from ..config import command_line, opt, parse_config
+from ..meta import RESULTS
+from .overhead import prepare
 
-def measure(case: str, steps: int, reps: int) -> dict[str, float]:
+
+@dataclass
+class Config:
+    steps: int = opt(3, "DP steps per case (the first warms up)")
+    reps: int = opt(20, "repetitions of the copy")
+    cases: str = opt("lora,full", "comma-separated: lora, full")
+    batch: int = opt(32, "batch size")
+    seq: int = opt(64, "tokens per example")
+    out: Path = opt(RESULTS / "isolation_cost.json", "result JSON")
+
+
+def measure(case: str, steps: int, reps: int, batch: int = 32, seq: int = 64) -> dict[str, float]:
     torch.manual_seed(0)
     model, _ = prepare(case, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
-    data = torch.utils.data.TensorDataset(torch.randint(0, 30522, (32 * (steps + 1), 64)), torch.randint(0, 2, (32 * (steps + 1),)))
+    n = batch * (steps + 1)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 30522, (n, seq)), torch.randint(0, 2, (n,)))
     opt = torch.optim.SGD(params, lr=1e-3)
     gsm, dp_opt, dl = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=opt, data_loader=torch.utils.data.DataLoader(data, batch_size=32),
+        module=model, optimizer=opt, data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
         noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, post_hooks=[],
     )  # fmt: skip
     step_s = []
@@ -61,25 +78,19 @@ def measure(case: str, steps: int, reps: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default="docs/results/isolation_cost.json")
-    args = ap.parse_args()
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(Config, argv, prog="dp-bench isolation-cost", description=__doc__.split("\n")[0])
     torch.set_num_threads(1)
     res = {
-        "command": f"OMP_NUM_THREADS=1 python benchmarks/isolation_cost.py --steps {args.steps} --reps {args.reps}",
+        "command": "OMP_NUM_THREADS=1 " + command_line("isolation-cost", argv),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cases": {case: measure(case, args.steps, args.reps) for case in ("lora", "full")},
+        "batch": cfg.batch,
+        "seq": cfg.seq,
+        "cases": {case: measure(case, cfg.steps, cfg.reps, cfg.batch, cfg.seq) for case in cfg.cases.split(",")},
     }
     for case, r in res["cases"].items():
         print(f"{case}: {r['trainable_params']:,} trainable, copy {r['copy_s_median'] * 1e3:.2f} ms, "
               f"DP step {r['step_s_median']:.2f} s -> {100 * r['copy_over_step']:.3f} % of a step")  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    cfg.out.write_text(json.dumps(res, indent=2))
+    return res

