@@ -57,8 +57,12 @@ def test_toggling_factors_trains_only_active_factor(mode, wrap_model):
         crit(net(x).logits, y).backward()
         dp_opt.step()
         steps += 1
-        assert all(torch.equal(s, p) for s, p in zip(snap_f, frozen)), f"frozen factor moved at step {step}"
-        assert all(not torch.equal(s, p) for s, p in zip(snap_a, active)), f"active factor still at step {step}"
+        assert all(torch.equal(s, p) for s, p in zip(snap_f, frozen, strict=True)), (
+            f"frozen factor moved at step {step}"
+        )
+        assert all(not torch.equal(s, p) for s, p in zip(snap_a, active, strict=True)), (
+            f"active factor still at step {step}"
+        )
     assert steps == 4
 
 
@@ -72,8 +76,8 @@ def test_ghost_norms_ignore_frozen_factor():
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, crit, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=token_loader(), noise_multiplier=0.0, max_grad_norm=1e-3, allow_non_private=True,
-        grad_sample_mode="ghost", post_hooks=[],
+        module=model, optimizer=opt, data_loader=token_loader(), noise_multiplier=0.0, max_grad_norm=1e-3,
+        allow_non_private=True, grad_sample_mode="ghost", post_hooks=[],
     )
     x, y = next(iter(dl))
     dp_opt.zero_grad()
@@ -120,7 +124,7 @@ def test_per_layer_clipping_with_toggling_is_refused():
     nn.functional.cross_entropy(gsm(x).logits, y).backward()
     with pytest.raises(RuntimeError, match="per_layer"):
         dp_opt.step()
-    assert all(torch.equal(s, p) for s, p in zip(before, b))
+    assert all(torch.equal(s, p) for s, p in zip(before, b, strict=True))
 
 
 def test_lora_on_embedding_is_named_at_make_private():

@@ -59,7 +59,10 @@ def test_method_hooks_and_plan() -> None:
     prio = centralized.planned_runs(args)
     assert sorted(prio) == sorted(plan)
     assert prio[:8] == [(m, e, s) for s in (0, 1) for e in (3.0, 8.0) for m in ("dp-lora", "rmt")]
-    assert prio[8:10] == [("dp-lora", 16.0, 0), ("dp-lora", 16.0, 1)] and prio[10:] == [("doppler", 3.0, 0), ("doppler", 3.0, 1)]
+    assert prio[8:10] == [("dp-lora", 16.0, 0), ("dp-lora", 16.0, 1)] and prio[10:] == [
+        ("doppler", 3.0, 0),
+        ("doppler", 3.0, 1),
+    ]
 
 
 def test_trainable_spec_parsing() -> None:

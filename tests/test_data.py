@@ -260,7 +260,7 @@ def test_tiny_bert_seeded_and_sized() -> None:
     a, b, c = D.tiny_bert(seed=0), D.tiny_bert(seed=0), D.tiny_bert(seed=1)
     assert a.training
     assert sum(p.numel() for p in a.parameters()) == sum(p.numel() for p in c.parameters())
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.classifier.weight, c.classifier.weight)
     names = {n for n, _ in a.named_modules()}
     assert "bert.encoder.layer.1.attention.self.query" in names and "bert.encoder.layer.1.output.dense" in names
@@ -290,7 +290,7 @@ def test_synthetic_task_is_learnable_by_tiny_bert() -> None:
     model = D.tiny_bert(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cols = ["input_ids", "attention_mask", "token_type_ids"]
-    for step in range(60):
+    for _step in range(60):
         idx = torch.randint(0, 256, (32,)).tolist()
         b = train[idx]
         loss = model(**{k: b[k] for k in cols}, labels=b["label"]).loss

@@ -71,7 +71,7 @@ def test_ddp_hook_sees_identical_post_allreduce_noise(tmp_path, wrapper):
     for step in range(2):
         a, b = r0["seen"][step], r1["seen"][step]
         assert [x["name"] for x in a] == [x["name"] for x in b]
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert torch.equal(x["tensor"], y["tensor"])  # identical on every rank
             assert x["sigma"] == y["sigma"]
     # per-worker B = 16/2 = 8; std = nm*C/(B*k*W) = nm*C/16
@@ -79,5 +79,5 @@ def test_ddp_hook_sees_identical_post_allreduce_noise(tmp_path, wrapper):
     assert r0["seen"][0][0]["sigma"] == pytest.approx(expected, rel=1e-9)
     flat = torch.cat([x["tensor"].flatten().double() for x in r1["seen"][0]])
     assert float(flat.std()) == pytest.approx(expected, rel=0.03)  # rank 1 holds noise, not its clean (zero) sum
-    for p, q in zip(r0["params"], r1["params"]):
+    for p, q in zip(r0["params"], r1["params"], strict=True):
         assert torch.equal(p, q)

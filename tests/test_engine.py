@@ -94,7 +94,7 @@ def test_bit_identical_to_vanilla_opacus(mode, hooks):
     ref, eps_ref, _ = _train(opacus.PrivacyEngine, mode=mode)
     post = [Identity()] if hooks == "identity" else hooks
     got, eps, engine = _train(PrivacyEngine, mode=mode, post_hooks=post)
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     assert eps == eps_ref
     if hooks is not None:
@@ -105,7 +105,7 @@ def test_denoiser_changes_training_and_order_is_users():
     ref, eps_ref, _ = _train(opacus.PrivacyEngine)
     scaled, eps, engine = _train(PrivacyEngine, post_hooks=[Scale(0.0)])
     assert eps == eps_ref  # post-processing never touches the accountant
-    assert not all(torch.equal(a, b) for a, b in zip(ref, scaled))
+    assert not all(torch.equal(a, b) for a, b in zip(ref, scaled, strict=True))
     # order: recorder after scale(0) sees zeros, recorder before sees noise
     rec_first, rec_last = Recorder(), Recorder()
     _train(PrivacyEngine, steps=1, post_hooks=[rec_first, Scale(0.0), rec_last])
@@ -211,7 +211,7 @@ def test_bad_denoiser_output_raises_and_never_updates_weights(kind):
         dp_opt.step()
     if kind != "raise":
         assert "2.weight" in str(err.value)
-    for a, p in zip(before, model.parameters()):
+    for a, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, p)
         assert p.grad is None  # a corrupted gradient is not left behind for a later step
 
@@ -222,7 +222,7 @@ def test_fallback_policy_keeps_noisy_gradient_warns_once_and_counts(kind):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, _, engine = _train(PrivacyEngine, steps=2, post_hooks=[_Bad(kind)], on_denoiser_error="fallback")
-    for a, b in zip(ref, got):  # the bad denoiser's output was discarded: identical to no denoiser
+    for a, b in zip(ref, got, strict=True):  # the bad denoiser's output was discarded: identical to no denoiser
         assert torch.equal(a, b)
     ours = [w for w in caught if f"bad-{kind}" in str(w.message)]
     assert len(ours) == 1

@@ -144,7 +144,9 @@ def test_minilm_rt_task_partitions_by_movie():
     from dp_bench.data import DataUnavailableError
     from peft_lalora.federated.federation import FederationConfig, build_partition, build_task
 
-    cfg = FederationConfig(task="dp_bench.task:minilm_rt", partition="group", num_clients=4, n_train=300, n_test=20, seq_len=32)
+    cfg = FederationConfig(
+        task="dp_bench.task:minilm_rt", partition="group", num_clients=4, n_train=300, n_test=20, seq_len=32
+    )
     try:
         task = build_task(cfg)
     except DataUnavailableError as err:

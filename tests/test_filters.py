@@ -70,7 +70,9 @@ def test_laplacian_matches_frequency_response_and_solves_system(sigma: float) ->
     # frequency response 1/(1 + 4σ sin²(ω/2)), ω = 2πk/N
     ratio = torch.fft.fft(y1, dim=-1) / torch.fft.fft(x, dim=-1)
     k = torch.arange(10, dtype=F64, device=DEVICE)
-    torch.testing.assert_close(ratio.real, (1 / (1 + 4 * sigma * torch.sin(math.pi * k / 10) ** 2)).expand_as(ratio.real))
+    torch.testing.assert_close(
+        ratio.real, (1 / (1 + 4 * sigma * torch.sin(math.pi * k / 10) ** 2)).expand_as(ratio.real)
+    )
     assert ratio.imag.abs().max().item() < 1e-10
     # (I − σΔ) y = x with the circular second difference
     lap = y1.roll(1, -1) + y1.roll(-1, -1) - 2 * y1
@@ -167,7 +169,14 @@ def test_lowpass_sigma_zero_unchanged() -> None:
     assert LowPassDenoiser()([r]) == [None]
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"kernel": "laplacian", "laplacian_dims": 2}, {"kernel": "gaussian", "sigma": 1.5, "weight_axis": 0, "vectors": True}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"kernel": "laplacian", "laplacian_dims": 2},
+        {"kernel": "gaussian", "sigma": 1.5, "weight_axis": 0, "vectors": True},
+    ],
+)
 def test_lowpass_conformance_kit(kwargs: dict[str, object]) -> None:
     from opacus_spectral.testing import check_denoiser
 

@@ -95,7 +95,7 @@ def test_lalora_under_opacus_modes(arch: str, grad_sample_mode: str) -> None:
     assert phases == moved == EXPECTED_3_3[("step", "B")]
     # the denoiser saw exactly the active factor's gradients, with LoRA roles and a shared layer name
     assert len(rec.seen) == 6
-    for phase, seen in zip(phases, rec.seen):
+    for phase, seen in zip(phases, rec.seen, strict=True):
         roles = {role for role, _ in seen.values()}
         assert roles == {"lora_" + phase}
         assert all(layer and name.startswith(layer + ".lora_") for name, (_, layer) in seen.items())

@@ -67,8 +67,8 @@ def test_phase_sequence_and_only_active_factor_moves(arch: str, mode: str, first
         head_before = [p.detach().clone() for p in head]
         _train_step(model, opt, i)
         moved.append(changed_factors(before, model))
-        assert all(not torch.equal(a, p) for a, p in zip(head_before, head)), "head must train every step"
-        for m0, m1 in zip(moments, _adam_state(opt, frozen)):  # frozen factor: AdamW moments untouched
+        assert all(not torch.equal(a, p) for a, p in zip(head_before, head, strict=True)), "head must train every step"
+        for m0, m1 in zip(moments, _adam_state(opt, frozen), strict=True):  # frozen factor: AdamW moments untouched
             assert (m0 is None and m1 is None) or torch.equal(m0, m1)
         for p in frozen:
             assert p.grad is None

@@ -25,8 +25,8 @@ def bert_base(seed: int = 0) -> BertForSequenceClassification:
 def gpt2_base(seed: int = 0) -> GPT2ForSequenceClassification:
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, num_labels=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, num_labels=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return GPT2ForSequenceClassification(cfg)
 

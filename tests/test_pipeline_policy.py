@@ -85,7 +85,7 @@ def test_malformed_output_raises_denoiser_error_and_leaves_no_edit(kind):
     nn.functional.mse_loss(gsm(x), y).backward()
     with pytest.raises(DenoiserError, match=f"malformed-{kind}"):
         dp_opt.step()
-    for a, p in zip(before, model.parameters()):
+    for a, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, p)
         assert p.grad is None  # the ×1000 in-place edit does not survive for a later step
 
@@ -98,7 +98,7 @@ def test_malformed_output_falls_back_to_the_noisy_gradient(kind):
         warnings.simplefilter("always")
         got = _private([_Malformed(kind)], on_denoiser_error="fallback")
         _steps(*got[1:4])
-    for a, b in zip(ref[4].parameters(), got[4].parameters()):
+    for a, b in zip(ref[4].parameters(), got[4].parameters(), strict=True):
         assert torch.equal(a, b)  # bit-identical to no denoiser: the in-place edit was made on a copy
     assert got[0].post_hooks.diagnostics.fallbacks[f"malformed-{kind}"] >= 2
     assert sum(f"malformed-{kind}" in str(w.message) for w in caught) == 1
@@ -159,7 +159,7 @@ def test_nonfinite_gradient_raises_by_default_and_weights_do_not_move():
     with pytest.raises(NonFiniteGradientError, match=r"non-finite .*0\.weight"):
         dp_opt.step()
     assert rec.seen == []  # no denoiser saw the step
-    for a, p in zip(before, model.parameters()):
+    for a, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, p) and p.grad is None
 
 
@@ -175,7 +175,7 @@ def test_nonfinite_gradient_skip_step_skips_warns_once_and_counts():
             dp_opt.zero_grad()
             nn.functional.mse_loss(gsm(x), y).backward()
             dp_opt.step()
-        for a, p in zip(before, model.parameters()):
+        for a, p in zip(before, model.parameters(), strict=True):
             assert torch.equal(a, p)
         x, y = next(it)  # a clean batch trains again
         dp_opt.zero_grad()

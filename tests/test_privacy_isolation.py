@@ -88,7 +88,7 @@ def _two_steps(denoiser: Denoiser):
 @pytest.mark.parametrize("cls", [LeakyEma, StateReturningEma])
 def test_released_update_mixes_only_noisy_gradients(cls):
     before, after = _two_steps(cls())
-    for noisy0, noisy1, released in zip(before.seen[0], before.seen[1], after.seen[1]):
+    for noisy0, noisy1, released in zip(before.seen[0], before.seen[1], after.seen[1], strict=True):
         expected = 0.5 * noisy0["tensor"] + 0.5 * noisy1["tensor"]
         # with the leak the first term is the clean gradient of batch 2 instead (max |diff| was 0.0 to it)
         torch.testing.assert_close(released["tensor"], expected, rtol=1e-6, atol=1e-7)

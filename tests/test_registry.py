@@ -52,7 +52,8 @@ PLUGINS = {
     ),
     "raising-plugin": (
         "raising_denoiser_plugin",
-        "from opacus_spectral import hookimpl\n@hookimpl\ndef opacus_spectral_denoisers():\n    raise RuntimeError('kaput')\n",
+        "from opacus_spectral import hookimpl\n@hookimpl\n"
+        "def opacus_spectral_denoisers():\n    raise RuntimeError('kaput')\n",
     ),
     "dup-plugin": (
         "dup_denoiser_plugin",
@@ -98,7 +99,10 @@ def test_installed_plugin_is_found_and_broken_ones_skipped(site):
 def test_order_is_the_users_not_pluggys(site):
     reg = Registry()
     g = torch.full((2, 2), 1.0)
-    for hooks, expected in ([["double", ("add_const", {"value": 1.0})], 3.0], [[("add_const", {"value": 1.0}), "double"], 4.0]):
+    for hooks, expected in (
+        [["double", ("add_const", {"value": 1.0})], 3.0],
+        [[("add_const", {"value": 1.0}), "double"], 4.0],
+    ):
         pipe = PostNoisePipeline(create_denoisers(hooks, reg))
         from opacus_spectral.parameters import ParamInfo
 
@@ -110,7 +114,11 @@ def test_unknown_name_mentions_broken_plugins(site):
     reg = Registry()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=r"unknown denoiser 'no_such_denoiser'; available: add_const, .*double, lowpass, rmt.*failed to load: badsig, broken, dup, raising"):
+        with pytest.raises(
+            ValueError,
+            match=r"unknown denoiser 'no_such_denoiser'; available: add_const, .*double, lowpass, rmt"
+            r".*failed to load: badsig, broken, dup, raising",
+        ):
             reg.create("no_such_denoiser")
 
 

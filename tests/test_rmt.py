@@ -71,9 +71,12 @@ def test_acts_on_every_matrix_role_and_shape() -> None:
 
 def test_vectors_empty_and_unselected_untouched() -> None:
     s = 0.1
-    recs = [rec("l.bias", "bias", torch.randn(32, device=DEVICE)), rec("ln.weight", "bias", torch.randn(8, device=DEVICE)),
-            rec("scalar", "weight", torch.tensor(3.0, device=DEVICE)), rec("empty", "weight", torch.zeros(0, 5, device=DEVICE)),
-            rec("emb.weight", "embedding", spiked_matrix(50, 16, s, 1)), rec("int", "weight", torch.ones(4, 4, dtype=torch.int64, device=DEVICE))]  # fmt: skip
+    recs = [rec("l.bias", "bias", torch.randn(32, device=DEVICE)),
+            rec("ln.weight", "bias", torch.randn(8, device=DEVICE)),
+            rec("scalar", "weight", torch.tensor(3.0, device=DEVICE)),
+            rec("empty", "weight", torch.zeros(0, 5, device=DEVICE)),
+            rec("emb.weight", "embedding", spiked_matrix(50, 16, s, 1)),
+            rec("int", "weight", torch.ones(4, 4, dtype=torch.int64, device=DEVICE))]  # fmt: skip
     d = RMTDenoiser()
     assert run(d, recs)[1] == [False] * len(recs)
     assert d.diagnostics["matrices"] == 0
@@ -83,8 +86,10 @@ def test_vectors_empty_and_unselected_untouched() -> None:
 
 def test_roles_and_params_filters() -> None:
     s = 0.1
-    recs = [rec("enc.q.lora_A", "lora_A", spiked_matrix(4, 64, s, 1)), rec("enc.q.lora_B", "lora_B", spiked_matrix(64, 4, s, 2)),
-            rec("enc.dense.weight", "weight", spiked_matrix(64, 64, s, 3)), rec("head.weight", "weight", spiked_matrix(2, 64, s, 4))]  # fmt: skip
+    recs = [rec("enc.q.lora_A", "lora_A", spiked_matrix(4, 64, s, 1)),
+            rec("enc.q.lora_B", "lora_B", spiked_matrix(64, 4, s, 2)),
+            rec("enc.dense.weight", "weight", spiked_matrix(64, 64, s, 3)),
+            rec("head.weight", "weight", spiked_matrix(2, 64, s, 4))]  # fmt: skip
     kw = {"inplace": False}
     only_lora = RMTDenoiser(roles=("lora_A", "lora_B"), **kw)(recs)
     assert [o is not None for o in only_lora] == [True, True, False, False]
@@ -124,7 +129,9 @@ def test_groups_by_shape_and_dtype_one_call_each(monkeypatch: pytest.MonkeyPatch
     recs += [rec(f"l{i}.lora_B", "lora_B", spiked_matrix(64, 4, s, 10 + i)) for i in range(3)]
     recs += [rec("half.lora_A", "lora_A", spiked_matrix(4, 64, s, 20).half())]
     out = RMTDenoiser(inplace=False)(recs)
-    assert sorted(calls, key=str) == sorted([((5, 4, 64), torch.float32), ((3, 64, 4), torch.float32), ((1, 4, 64), torch.float16)], key=str)
+    assert sorted(calls, key=str) == sorted(
+        [((5, 4, 64), torch.float32), ((3, 64, 4), torch.float32), ((1, 4, 64), torch.float16)], key=str
+    )
     for r, o in zip(recs, out, strict=True):  # batched == one at a time
         assert o is not None and torch.equal(o, expected(r.tensor, s))
     calls.clear()
@@ -135,7 +142,9 @@ def test_groups_by_shape_and_dtype_one_call_each(monkeypatch: pytest.MonkeyPatch
 
 def test_per_record_sigma_within_a_group() -> None:
     t1, t2 = spiked_matrix(30, 50, 0.1, 1), spiked_matrix(30, 50, 0.1, 2)
-    out, changed = run(RMTDenoiser(), [rec("a", "weight", t1.clone(), sigma=0.1), rec("b", "weight", t2.clone(), sigma=10.0)])
+    out, changed = run(
+        RMTDenoiser(), [rec("a", "weight", t1.clone(), sigma=0.1), rec("b", "weight", t2.clone(), sigma=10.0)]
+    )
     assert changed == [True, False]
     assert torch.equal(out[0], expected(t1, 0.1))
 
@@ -210,13 +219,16 @@ def test_deterministic_and_truncated_path() -> None:
     for x, y in zip(a, full, strict=True):
         assert x is not None and y is not None
         assert ((x - y).norm() / y.norm()).item() < 1e-4
-    pure = [rec("n", "weight", (0.05 * torch.randn(96, 128, generator=torch.Generator().manual_seed(3))).to(DEVICE), sigma=0.05)]
+    pure = [rec("n", "weight", (0.05 * torch.randn(96, 128, generator=torch.Generator().manual_seed(3))).to(DEVICE),
+                sigma=0.05)]
     assert d(pure) == [None]  # gate-first: nothing decomposed, nothing returned
     ref = pure[0].tensor.clone()
     assert RMTDenoiser(gram_max=32)(pure) is None and torch.equal(pure[0].tensor, ref)  # and nothing written
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"gate": "tracy_widom", "false_alarm": 0.01}, {"method": "truncated", "diagnostics": True}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"gate": "tracy_widom", "false_alarm": 0.01}, {"method": "truncated", "diagnostics": True}]
+)
 def test_rmt_conformance_kit(kwargs: dict[str, object]) -> None:
     from opacus_spectral.testing import check_denoiser
 

@@ -115,7 +115,9 @@ def test_lowpass_axis_per_role_on_a_lora_model() -> None:
     )  # fmt: skip
     x, yy = next(iter(dl))
     pos = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
-    nn.functional.cross_entropy(gsm(input_ids=x, token_type_ids=torch.zeros_like(x), position_ids=pos).logits, yy).backward()
+    nn.functional.cross_entropy(
+        gsm(input_ids=x, token_type_ids=torch.zeros_like(x), position_ids=pos).logits, yy
+    ).backward()
     dp_opt.step()
     seen = 0
     for b, a in zip(before.seen[0], after.seen[0], strict=True):

@@ -237,7 +237,10 @@ def test_mixed_batch_per_matrix_sigma_and_gate() -> None:
 
 def test_tracy_widom_gate_paths_agree() -> None:
     _, g = spiked(3, 100, 140, 2, 3.0, 0.2, seed=11)
-    outs = [S.rmt_denoise(g, 0.2, gate="tracy_widom", false_alarm=1e-3, method=mth, compute_dtype=F64) for mth in ("gram", "truncated", "full")]
+    outs = [
+        S.rmt_denoise(g, 0.2, gate="tracy_widom", false_alarm=1e-3, method=mth, compute_dtype=F64)
+        for mth in ("gram", "truncated", "full")
+    ]
     for o in outs[1:]:
         assert torch.equal(o.gated, outs[0].gated)
         assert rel(o.tensor, outs[0].tensor) < 1e-6
@@ -253,7 +256,9 @@ def test_tracy_widom_gate_paths_agree() -> None:
     strength=st.floats(3.0, 6.0), log_s=st.floats(-4, 1), seed=st.integers(0, 10_000),
     method=st.sampled_from(["gram", "truncated"]),
 )  # fmt: skip
-def test_spiked_model_properties(m: int, n: int, rank: int, strength: float, log_s: float, seed: int, method: str) -> None:
+def test_spiked_model_properties(
+    m: int, n: int, rank: int, strength: float, log_s: float, seed: int, method: str
+) -> None:
     s = 10**log_s
     x, g = spiked(2, m, n, rank, strength, s, seed=seed, dtype=torch.float32)
     res = S.rmt_denoise(g, s, method=method)
@@ -265,7 +270,10 @@ def test_spiked_model_properties(m: int, n: int, rank: int, strength: float, log
 
 
 @HYP
-@given(m=st.integers(8, 64), n=st.integers(8, 64), seed=st.integers(0, 10_000), method=st.sampled_from(["gram", "truncated", "full"]))
+@given(
+    m=st.integers(8, 64), n=st.integers(8, 64), seed=st.integers(0, 10_000),
+    method=st.sampled_from(["gram", "truncated", "full"]),
+)
 def test_below_gate_and_sigma_zero_unchanged(m: int, n: int, seed: int, method: str) -> None:
     x, g = spiked(2, m, n, 1, 0.5, 0.1, seed=seed, dtype=torch.float32)  # signal below the BBP threshold
     # claim a noise level 1.5× the true one: the top singular value sits well inside the claimed bulk
@@ -287,7 +295,9 @@ def test_dtype_in_dtype_out(dtype: torch.dtype, method: str) -> None:
     res = S.rmt_denoise(g, 0.5, method=method)
     assert res.tensor.dtype == dtype and res.tensor.shape == g.shape
     assert res.gated.all() and not torch.equal(res.tensor, g)
-    assert rel(res.tensor, oracle_denoise(g.double(), 0.5)) < (2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4)
+    assert rel(res.tensor, oracle_denoise(g.double(), 0.5)) < (
+        2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    )
 
 
 def test_nonfinite_matrix_left_unchanged() -> None:

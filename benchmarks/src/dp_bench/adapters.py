@@ -45,7 +45,9 @@ class Trainable:
             return Trainable("full")
         parts = spec.split(":")
         if len(parts) != 3 or parts[0] != "lora" or not parts[1] or not set(parts[1]) <= set(MODULES):
-            raise ValueError(f"trainable spec must be 'full' or 'lora:<subset of {''.join(MODULES)}>:<rank>', got {spec!r}")
+            raise ValueError(
+                f"trainable spec must be 'full' or 'lora:<subset of {''.join(MODULES)}>:<rank>', got {spec!r}"
+            )
         return Trainable("lora", parts[1], int(parts[2]))
 
     @property
@@ -84,6 +86,7 @@ def build_top(
             p.requires_grad_(True)
     else:
         cfg = LoraConfig(task_type="SEQ_CLS", r=trainable.rank, lora_alpha=trainable.alpha or trainable.rank,
-                         lora_dropout=0.0, target_modules=lora_target_regex(range(task.k, task.n_layers), trainable.targets))  # fmt: skip
+                         lora_dropout=0.0,
+                         target_modules=lora_target_regex(range(task.k, task.n_layers), trainable.targets))  # fmt: skip
         top = BertTop(get_peft_model(model, cfg).base_model.model, task.k, pooling=pooling)
     return top.train()

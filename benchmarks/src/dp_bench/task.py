@@ -129,7 +129,9 @@ class CachedTask(Task):
         hidden = {}
         for split, ds in (("train", raw.train), ("test", raw.test)):
             cols = dict(zip(raw.columns, to_tensor_dataset(ds, raw.columns).tensors, strict=True))
-            hidden[split] = encode_bottom(full, k, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids"))
+            hidden[split] = encode_bottom(
+                full, k, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids")
+            )
         factory = raw.model_factory
         super().__init__(
             name=f"{raw.name}[frozen {k}]",

@@ -63,9 +63,13 @@ class Config:
     steps: int = opt(40, "fixed logical step budget per run")
     eval_every: int = opt(8, "evaluate every N steps")
     epsilons: list[float] = opt([3.0, 8.0], "privacy levels")
-    baseline_epsilons: list[float] = opt([1.5, 5.0, 16.0], "extra ε for the baseline only (accuracy-vs-ε curve for 'ε saved')")
+    baseline_epsilons: list[float] = opt(
+        [1.5, 5.0, 16.0], "extra ε for the baseline only (accuracy-vs-ε curve for 'ε saved')"
+    )
     methods: list[str] = opt(METHODS, "dp-lora and '+'-joined post_hooks")
-    doppler_epsilons: list[float] = opt([], "run the doppler methods only at these ε (empty: all --epsilons)", type=float)
+    doppler_epsilons: list[float] = opt(
+        [], "run the doppler methods only at these ε (empty: all --epsilons)", type=float
+    )
     seeds: list[int] = opt([0, 1, 2], "training seeds")
     order: str = opt("seed", "execution order, see planned_runs", choices=("seed", "priority"))
     lr: float = opt(5e-3, "AdamW learning rate")
@@ -251,8 +255,10 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             t = crossing_step(mean_curve, float(np.mean([base[s]["curve"][-1][1] for s in common])))
             speed_mean_curve = None if t is None else 1.0 - t / steps
         gated = gated_gain_stats([x for r in seeds.values() for x in r["per_step"]])
-        enc_gated = gated_gain_stats([dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
-                                        for r in seeds.values() for x in r["per_step"]])
+        enc_gated = gated_gain_stats(
+            [dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
+             for r in seeds.values() for x in r["per_step"]]
+        )
         n_gated = [sum(x.get("gated", 0) for x in r["per_step"]) for r in seeds.values()]
         n_mats = [sum(x.get("matrices", 0) for x in r["per_step"]) for r in seeds.values()]
         cos = [global_cos_stats(r["per_step"]) for r in seeds.values()]
@@ -260,7 +266,8 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             "method": m, "epsilon": e, "seeds": sorted(seeds), "final_acc": mean_std(finals),
             "acc_at": acc_ck,
             "speedup": mean_std(speed) if speed else (float("nan"), float("nan")),
-            "speedup_per_seed": speed, "speedup_mean_curve": speed_mean_curve, "reached_baseline_final": reached, "n_with_baseline": sum(1 for s in seeds if s in base),
+            "speedup_per_seed": speed, "speedup_mean_curve": speed_mean_curve, "reached_baseline_final": reached,
+            "n_with_baseline": sum(1 for s in seeds if s in base),
             "eps_saved_per_seed": eps_saved,
             "eps_saved": mean_std([x for x in eps_saved if isinstance(x, float)]),
             "eps_baseline_equal_acc_mean": eb_mean if eb_mean else flag_mean,
@@ -283,14 +290,16 @@ def _mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
     """Checkpoint-wise mean accuracy over runs with the same checkpoints."""
     xs = [s for s, _ in runs[0]["curve"]]
     ys = np.mean([[a for _, a in r["curve"]] for r in runs if [s for s, _ in r["curve"]] == xs], axis=0)
-    return list(zip(xs, ys.tolist()))
+    return list(zip(xs, ys.tolist(), strict=True))
 
 
 def tables(result: dict[str, Any]) -> str:
     an = result.get("analysis") or analyze(result)
     cfg = result["config"]
     ck = [str(s) for s in sorted({int(s) for k, v in an.items() if not k.startswith("_") for s in v["acc_at"]})]
-    show = ck if len(ck) <= 7 else [c for c in ck if int(c) in (0, cfg["steps"]) or int(c) % max(cfg["eval_every"] * 2, 1) == 0]
+    show = ck if len(ck) <= 7 else [
+        c for c in ck if int(c) in (0, cfg["steps"]) or int(c) % max(cfg["eval_every"] * 2, 1) == 0
+    ]
     head = "| ε | method | seeds | " + " | ".join(f"acc @ {c}" for c in show) + " |"
     lines = ["#### Accuracy at checkpoints (mean ± std over seeds)", "", head,
              "|---|---|---|" + "---|" * len(show)]
@@ -300,7 +309,9 @@ def tables(result: dict[str, Any]) -> str:
         cells = [fmt(tuple(v["acc_at"][c])) if c in v["acc_at"] else "–" for c in show]
         lines.append(f"| {v['epsilon']:g} | {v['method']} | {len(v['seeds'])} | " + " | ".join(cells) + " |")
     lines += ["", "#### Speed-up, ε saved, oracle cosines", "",
-              "| ε | method | final acc | reached baseline final acc | step speed-up (seeds that reached) | speed-up (mean curves) | ε saved (per seed) | ε saved (mean curve) | global cos noisy → denoised | rmt-gated matrix-steps, gain > 0 (encoder only) | s/step |",
+              "| ε | method | final acc | reached baseline final acc | step speed-up (seeds that reached) "
+              "| speed-up (mean curves) | ε saved (per seed) | ε saved (mean curve) | global cos noisy → denoised "
+              "| rmt-gated matrix-steps, gain > 0 (encoder only) | s/step |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, v in an.items():
         if k.startswith("_"):
@@ -345,7 +356,7 @@ def replot(path: Path, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(eps_list) + 1, figsize=(5 * (len(eps_list) + 1), 4))
     methods = list(dict.fromkeys(r["method"] for r in result["runs"].values()))
     colors = {m: plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10] for i, m in enumerate(methods)}
-    for ax, eps in zip(axes, eps_list):
+    for ax, eps in zip(axes, eps_list, strict=False):  # axes has one more panel (the ε curve) than eps_list
         for m in methods:
             rs = [r for r in result["runs"].values() if r["method"] == m and r["target_epsilon"] == eps]
             if not rs:

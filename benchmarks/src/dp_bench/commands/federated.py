@@ -250,7 +250,8 @@ def run(args: Config) -> dict[str, Any]:
             result["runs"].append(rec)
             print(
                 f"  {method:18s} ε={eps:g} seed={seed}: acc {rec['accuracy'][0]:.3f} -> {rec['accuracy'][-1]:.3f} "
-                f"(last-3 {last_k_mean(rec['accuracy'], 3):.3f}), max ε {rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s",
+                f"(last-3 {last_k_mean(rec['accuracy'], 3):.3f}), max ε {rec['max_epsilon']:.3f}, "
+                f"{rec['wall_s']:.0f} s",
                 flush=True,
             )
             result["summary"] = summarize(result["runs"], args.methods, args.epsilons)

@@ -3,8 +3,9 @@
 With at least one denoiser installed, the engine copies the step's (denoised) gradients into fresh memory
 (:func:`opacus_spectral.installation.install_fresh_grads`) so that no tensor a denoiser saw is ever written by
 a later backward. Measured in one run, on all-MiniLM-L6-v2 with the shapes of ``benchmarks/overhead.py``
-(:func:`dp_bench.commands.overhead.prepare`: DP-LoRA r = 16, and DP full fine-tuning of every Linear), one thread: the median time of that copy over
-the real gradients of a DP step, and the median time of the DP step itself (batch 32 × 64, hooks mode).
+(:func:`dp_bench.commands.overhead.prepare`: DP-LoRA r = 16, and DP full fine-tuning of every Linear), one thread:
+the median time of that copy over the real gradients of a DP step, and the median time of the DP step itself
+(batch 32 × 64, hooks mode).
 
     OMP_NUM_THREADS=1 dp-bench isolation-cost
 """

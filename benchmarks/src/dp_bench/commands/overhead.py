@@ -45,7 +45,10 @@ from ..config import command_line, opt, parse_config
 from ..data import DataUnavailableError, load_minilm
 from ..meta import RESULTS
 
-LORA_TARGETS = r".*\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+LORA_TARGETS = (
+    r".*\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
+    r"|intermediate\.dense|output\.dense)"
+)
 
 
 def sync(device: torch.device) -> None:
@@ -68,7 +71,9 @@ class Switch(Denoiser):
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Any:
         if self.capture:
-            self.captured = [NoisyGradient(g.name, g.role, g.tensor.detach().clone(), g.sigma, g.step, g.layer) for g in grads]
+            self.captured = [
+                NoisyGradient(g.name, g.role, g.tensor.detach().clone(), g.sigma, g.step, g.layer) for g in grads
+            ]
             self.capture = False
         if not self.on:
             return None

@@ -8,8 +8,8 @@ Protocol:
 
 * Model/data: :func:`dp_bench.task.frozen_text_task` (all-MiniLM-L6-v2, packaged Rotten Tomatoes, max_length
   48). Only the top ``--top-layers`` encoder layer(s) are trained (LoRA or full weights); the frozen bottom
-  layers are cached (exact, :mod:`dp_bench.frozen`). DP-SGD: Opacus, Poisson sampling, C = ``--max-grad-norm``, fixed noise
-  multiplier ``--noise-multiplier`` (so the per-entry noise std is s = nm·C/B), ``post_hooks=["rmt"]``
+  layers are cached (exact, :mod:`dp_bench.frozen`). DP-SGD: Opacus, Poisson sampling, C = ``--max-grad-norm``,
+  fixed noise multiplier ``--noise-multiplier`` (so the per-entry noise std is s = nm·C/B), ``post_hooks=["rmt"]``
   (κ = 1.02, norm correction), ``oracle=True``.
 * For each trainable configuration (``--trainables``: LoRA targets/rank, or ``full`` weights):
   1. *trajectory*: ``--traj-steps`` DP steps at batch ``--traj-batch`` with ``rmt`` on, recording per step
@@ -190,18 +190,20 @@ def write(result: dict[str, Any], out: Path) -> None:
 def table(result: dict[str, Any]) -> str:
     """Markdown table: one row per (trainable, phase, batch)."""
     lines = [
-        "| trainable | phase | B | s = nm·C/B | encoder matrices gated | global cos noisy → denoised | gated matrix-steps with gain > 0 |",
+        "| trainable | phase | B | s = nm·C/B | encoder matrices gated | global cos noisy → denoised "
+        "| gated matrix-steps with gain > 0 |",
         "|---|---|---|---|---|---|---|",
     ]
     nm, c = result["config"]["noise_multiplier"], result["config"]["max_grad_norm"]
-    for spec, t in result["trainables"].items():
+    for _spec, t in result["trainables"].items():
         for phase, cells in t["sweep"].items():
             for b, cell in cells.items():
                 s = cell["summary"]
                 g = s["encoder_gated_gain"]
                 share = f"{g['positive']}/{g['gated_layer_steps']}" if g["gated_layer_steps"] else "–"
                 lines.append(
-                    f"| {t['label']} | {phase} | {b} | {nm * c / int(b):.2e} | {s['encoder_gated']}/{s['encoder_matrices']}"
+                    f"| {t['label']} | {phase} | {b} | {nm * c / int(b):.2e} | "
+                    f"{s['encoder_gated']}/{s['encoder_matrices']}"
                     f" ({100 * _nz(s['encoder_gating_rate']):.0f} %) | {s['global']['cos_noisy']:.3f} → "
                     f"{s['global']['cos_denoised']:.3f} ({100 * _nz(s['global']['rel_gain']):+.1f} %) | {share} |"
                 )
@@ -209,9 +211,10 @@ def table(result: dict[str, Any]) -> str:
 
 
 def trajectory_table(result: dict[str, Any]) -> str:
-    lines = ["| trainable | steps | acc start → end | encoder gated (first half / second half) | global cos noisy → denoised (2nd half) | gated gain > 0 |",
+    lines = ["| trainable | steps | acc start → end | encoder gated (first half / second half) "
+             "| global cos noisy → denoised (2nd half) | gated gain > 0 |",
              "|---|---|---|---|---|---|"]
-    for spec, t in result["trainables"].items():
+    for _spec, t in result["trainables"].items():
         ps = t["trajectory"]["per_step"]
         h = len(ps) // 2
         mats = t["matrix_names"]
@@ -221,7 +224,8 @@ def trajectory_table(result: dict[str, Any]) -> str:
         first = f"{a['encoder_gated']}/{a['encoder_matrices']}" if a else "–"
         lines.append(
             f"| {t['label']} | {len(ps)} | {curve[0][1]:.3f} → {curve[-1][1]:.3f} | {first} / "
-            f"{b['encoder_gated']}/{b['encoder_matrices']} | {b['global']['cos_noisy']:.3f} → {b['global']['cos_denoised']:.3f} | "
+            f"{b['encoder_gated']}/{b['encoder_matrices']} | "
+            f"{b['global']['cos_noisy']:.3f} → {b['global']['cos_denoised']:.3f} | "
             f"{g['positive']}/{g['gated_layer_steps']} |"
         )
     return "\n".join(lines)
@@ -245,7 +249,7 @@ def replot(path: Path, out: Path) -> Path:
     result = json.loads(Path(path).read_text())
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (spec, t) in enumerate(result["trainables"].items()):
+    for i, (_spec, t) in enumerate(result["trainables"].items()):
         col = colors[i % len(colors)]
         for phase, ls in (("init", "-"), ("warm", "--")):
             cells = t["sweep"].get(phase, {})

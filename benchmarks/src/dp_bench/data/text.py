@@ -76,7 +76,7 @@ def dedupe(texts: Sequence[str], labels: Sequence[int]) -> np.ndarray:
         raise ValueError(f"dedupe: {len(texts)} texts but {len(labels)} labels")
     first: dict[str, int] = {}
     label_sets: dict[str, set[int]] = {}
-    for i, (text, label) in enumerate(zip(texts, labels)):
+    for i, (text, label) in enumerate(zip(texts, labels, strict=True)):
         key = normalize_text(text)
         first.setdefault(key, i)
         label_sets.setdefault(key, set()).add(int(label))
@@ -329,7 +329,7 @@ def tokenize(
     out = data.map(encode, batched=True, batch_size=batch_size, desc=f"tokenize (max_length={max_length})")
     if torch_format:
         if hasattr(out, "items"):
-            for name, split in out.items():
+            for _name, split in out.items():
                 split.set_format("torch", columns=model_input_columns(split))
         else:
             out.set_format("torch", columns=model_input_columns(out))

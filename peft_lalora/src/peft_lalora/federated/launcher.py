@@ -13,8 +13,8 @@ authentication by default, always torn down.
 * registers every SuperNode's public key with ``flwr supernode register <key.pub> lalora-local``
   **before** that node starts (an unregistered node's activation is refused and it exits), then starts
   N ``flower-supernode --root-certificates ca.pem --auth-supernode-private-key <key> --superlink
-  127.0.0.1:<port> --node-config 'num-partitions=N'`` (the ServerApp assigns each node its partition), each with its own runtime-API port
-  on 127.0.0.1;
+  127.0.0.1:<port> --node-config 'num-partitions=N'`` (the ServerApp assigns each node its partition), each
+  with its own runtime-API port on 127.0.0.1;
 
 and ``flwr run <app> lalora-local --stream`` against a connection in a private ``$FLWR_HOME/config.toml``
 (``address = "127.0.0.1:<port>"``, ``root-certificates = "<ca.pem>"``). ``insecure=True`` instead runs
@@ -276,8 +276,9 @@ class LocalFederation:
         ]
 
     def supernode_command(self, index: int, port: int, private_key: Path | None = None) -> list[str]:
-        """``flower-supernode`` number ``index`` (its partition is assigned by the ServerApp): ``--root-certificates`` + its auth key, or
-        ``--insecure``; the SuperNode's own runtime API listens on ``127.0.0.1:port``."""
+        """``flower-supernode`` number ``index`` (its partition is assigned by the ServerApp):
+        ``--root-certificates`` + its auth key, or ``--insecure``; the SuperNode's own runtime API listens on
+        ``127.0.0.1:port``."""
         if self.tls is None:
             if private_key is not None:
                 raise ValueError("an insecure federation has no SuperNode authentication")

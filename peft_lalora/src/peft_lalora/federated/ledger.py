@@ -76,7 +76,7 @@ def extends(history: Sequence[HistoryEntry], prefix: Sequence[HistoryEntry]) -> 
     more steps, then any further entries."""
     if len(prefix) > len(history):
         return False
-    for i, (old, new) in enumerate(zip(prefix, history)):
+    for i, (old, new) in enumerate(zip(prefix, history, strict=False)):  # history may be longer than prefix
         last = i == len(prefix) - 1
         if old[:2] != new[:2] or (old[2] != new[2] and not (last and new[2] > old[2])):
             return False
