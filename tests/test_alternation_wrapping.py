@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from tiny_models import tiny_bert, token_loader
 from torch import nn
 
 from opacus_spectral import PrivacyEngine, set_trainable
-from tiny_models import tiny_bert, token_loader
 
 
 def _lora_model(targets=("query", "value")):

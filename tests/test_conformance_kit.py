@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from opacus_spectral.testing import check_denoiser
 
 from opacus_spectral import Denoiser
-from opacus_spectral.testing import check_denoiser
 
 
 class Shrink(Denoiser):

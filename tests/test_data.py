@@ -7,9 +7,9 @@ missing, unless PEFT_LALORA_REQUIRE_DATA=1 (set by CI), where a missing package 
 from __future__ import annotations
 
 import bz2
-import json
 import csv
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -20,7 +20,6 @@ import torch
 if os.environ.get("PEFT_LALORA_REQUIRE_DATA") != "1":
     pytest.importorskip("datasets")
 import datasets  # noqa: E402  (a hard import when data is required)
-
 from dp_bench import data as D  # noqa: E402
 
 

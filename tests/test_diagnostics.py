@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from opacus_spectral.diagnostics import cosine_report, plot_spectrum, spectral_entropy
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))

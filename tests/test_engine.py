@@ -9,10 +9,10 @@ import warnings
 import opacus
 import pytest
 import torch
+from engine_helpers import Identity, Recorder, Scale, loader, mlp
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 
-from engine_helpers import Identity, Recorder, Scale, loader, mlp
 from opacus_spectral import (
     Denoiser,
     DenoiserError,

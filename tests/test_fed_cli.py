@@ -115,9 +115,8 @@ def test_every_config_field_is_a_flag_with_its_default():
 
 def _user_model_and_data(tmp_path, fmt: str):
     """A tiny BERT saved with its own WordPiece tokenizer, and a labelled text file (string labels)."""
-    from transformers import BertTokenizerFast
-
     from dp_bench.data import tiny_bert
+    from transformers import BertTokenizerFast
 
     words = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "the", "was"]
     (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))

@@ -14,6 +14,8 @@ pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
 from opacus.accountants import RDPAccountant  # noqa: E402
+from peft_lalora.federated import client as client_mod  # noqa: E402
+from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWarning  # noqa: E402
 from peft_lalora.federated.federation import (  # noqa: E402
     FederationConfig,
     build_client,
@@ -21,8 +23,6 @@ from peft_lalora.federated.federation import (  # noqa: E402
     build_partition,
     build_task,
 )
-from peft_lalora.federated import client as client_mod  # noqa: E402
-from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWarning  # noqa: E402
 from peft_lalora.federated.ledger import PrivacyLedger, epsilon_from_history, normalize_history  # noqa: E402
 
 DELTA = 1e-5

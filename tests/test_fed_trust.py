@@ -35,7 +35,6 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-
     from peft_lalora.federated import flower_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -107,7 +106,6 @@ def test_a_node_configured_for_another_partition_refuses_the_assignment(monkeypa
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-
     from peft_lalora.federated import flower_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from opacus_spectral.lowpass import LowPassDenoiser
 
 from opacus_spectral import NoisyGradient
 from opacus_spectral import filters as F
-from opacus_spectral.lowpass import LowPassDenoiser
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 F64 = torch.float64

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from peft import LoraConfig, mapping
+from peft_lalora.registration import register
 
 import peft_lalora
 from peft_lalora import LALoraConfig, LALoraModel, LALoraPeftType
-from peft_lalora.registration import register
 
 
 def test_peft_type_is_str_enum_and_defaults() -> None:

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-from dp_bench.commands.noise_std import B, C, NM, one_step, pooled_std
+from dp_bench.commands.noise_std import NM, B, C, one_step, pooled_std
 from engine_helpers import mlp
+
 from opacus_spectral import noise_std
 
 

@@ -12,9 +12,9 @@ import warnings
 import opacus
 import pytest
 import torch
+from engine_helpers import Identity, Recorder, loader, mlp
 from torch import nn
 
-from engine_helpers import Identity, Recorder, loader, mlp
 from opacus_spectral import (
     Denoiser,
     DenoiserError,

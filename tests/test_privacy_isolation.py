@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import Recorder, loader, mlp
+from opacus_spectral.testing import check_denoiser
 from torch import nn
 
-from engine_helpers import Recorder, loader, mlp
 from opacus_spectral import Denoiser, PrivacyEngine
-from opacus_spectral.testing import check_denoiser
 
 
 class LeakyEma(Denoiser):

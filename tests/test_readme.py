@@ -6,10 +6,9 @@ import re
 from pathlib import Path
 
 import torch
+from tiny_models import tiny_bert, token_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from tiny_models import tiny_bert, token_loader
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from opacus_spectral.parameters import describe_parameters
+from opacus_spectral.pipeline import PostNoisePipeline
+from opacus_spectral.registry import Registry, create_denoisers
 from torch import nn
 
 from opacus_spectral import ParameterRole
-from opacus_spectral.pipeline import PostNoisePipeline
-from opacus_spectral.registry import Registry, create_denoisers
-from opacus_spectral.parameters import describe_parameters
 
 GOOD = '''
 import torch

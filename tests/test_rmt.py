@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
+from opacus_spectral.rmt import RMTDenoiser
 
 from opacus_spectral import NoisyGradient
 from opacus_spectral import rmt as rmt_mod
 from opacus_spectral import spectral as S
-from opacus_spectral.rmt import RMTDenoiser
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 

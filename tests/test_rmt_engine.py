@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_bert
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_spectral import PrivacyEngine
-from tiny_models import tiny_bert
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -100,7 +100,6 @@ def test_lowpass_axis_per_role_on_a_lora_model() -> None:
     """Through the engine on a PEFT LoRA model: A smoothed along input features, B along output features."""
     pytest.importorskip("peft")
     from engine_helpers import Recorder
-
     from opacus_spectral.filters import binomial5
 
     before, after = Recorder(), Recorder()

@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
-
 from peft_lalora.federated.task import Task, subsample, to_tensor_dataset
+from torch import nn
 
 from . import data as D
 from .frozen import BertTop, encode_bottom, split_error

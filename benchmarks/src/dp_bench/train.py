@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
 from peft_lalora.federated.evaluate import classification_metrics
+from torch import nn
 
 from .meta import quiet_warnings
 

@@ -3,10 +3,10 @@ import math
 import numpy as np
 import pytest
 import torch
-
-import opacus_spectral
 from opacus_spectral.testing import check_denoiser
 from opacus_spectral_svht import SVHTDenoiser, svht, threshold_coefficient
+
+import opacus_spectral
 
 
 def test_coefficient_matches_gavish_donoho():

@@ -29,7 +29,6 @@ Protocol:
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass

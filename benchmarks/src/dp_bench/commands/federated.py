@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from peft_lalora.federated.federation import FederationConfig
 from peft_lalora.federated.task import build_task
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opacus_spectral.installation import install_fresh_grads
 from torch import nn
 
 from opacus_spectral import PrivacyEngine
-from opacus_spectral.installation import install_fresh_grads
 
 from ..config import command_line, opt, parse_config
 from ..meta import RESULTS

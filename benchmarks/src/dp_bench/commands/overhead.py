@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opacus_spectral.rmt import RMTDenoiser, matrix_view
+from opacus_spectral.spectral import bulk_edge, shrink_singular_values
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine
-from opacus_spectral.rmt import RMTDenoiser, matrix_view
-from opacus_spectral.spectral import bulk_edge, shrink_singular_values
 
 from ..config import command_line, opt, parse_config
 from ..data import DataUnavailableError, load_minilm

@@ -3,6 +3,7 @@
 Needs the ``datasets`` package. See ``docs/demo.md`` for the offline packages.
 """
 
+from .images import FASHION_MNIST_APT, FASHION_MNIST_CLASSES, load_fashion_mnist, read_idx
 from .models import (
     MINILM_HUB_ID,
     MINILM_PIP,
@@ -31,6 +32,10 @@ from .text import (
 )
 
 __all__ = [
+    "FASHION_MNIST_APT",
+    "FASHION_MNIST_CLASSES",
+    "load_fashion_mnist",
+    "read_idx",
     "BBC_HUB_ID",
     "BBC_PIP",
     "MINILM_HUB_ID",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import secrets
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,8 +63,8 @@ __all__ = [
     "trainable_parameters",
 ]
 
-Batch = Sequence[torch.Tensor]
-LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+from .adapter_state import adapter_state, load_adapter_state, trainable_parameters
+from .losses import LossFn, NamedInputsLoss, sequence_classification_loss
 
 #: What a result records when ``reproducible_noise`` is on.
 REPRODUCIBLE_NOISE_NOTE = (
@@ -85,67 +85,12 @@ def _os_seed() -> int:
     return secrets.randbits(63)
 
 
-# ----------------------------------------------------------------------------------------------- helpers
-def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """``{name: param}`` of the parameters trainable *now* (call before any factor is frozen)."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def adapter_state(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached clones of ``params`` — safe to hand to a server that may keep or modify them."""
-    return {n: p.detach().clone() for n, p in params.items()}
-
-
-def load_adapter_state(params: Mapping[str, nn.Parameter], state: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``params`` in place (no autograd). Keys and shapes must match exactly."""
-    missing = sorted(set(params) - set(state))
-    extra = sorted(set(state) - set(params))
-    if missing or extra:
-        raise KeyError(f"adapter state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
-    with torch.no_grad():
-        for n, p in params.items():
-            src = state[n]
-            if tuple(src.shape) != tuple(p.shape):
-                raise ValueError(f"shape mismatch for {n!r}: {tuple(src.shape)} != {tuple(p.shape)}")
-            p.copy_(src.to(device=p.device, dtype=p.dtype))
-
-
 def round_seeds(seed: int, client: int, round_index: int, n: int = 3) -> list[int]:
     """``n`` independent 63-bit seeds for ``(seed, client, round)`` (``numpy.random.SeedSequence``)."""
     ss = np.random.SeedSequence(
         [int(seed) & 0xFFFFFFFF, int(client) & 0xFFFFFFFF, int(round_index) & 0xFFFFFFFF, 0x1A1A]
     )
     return [int(x) for x in ss.generate_state(n, dtype=np.uint64) >> np.uint64(1)]
-
-
-def sequence_classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy of an HF sequence classifier on ``(input_ids, attention_mask, token_type_ids, labels)``
-    (``token_type_ids`` optional: a 3-tuple is ``(input_ids, attention_mask, labels)``)."""
-    if len(batch) == 4:
-        ids, mask, types, labels = batch
-        logits = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-    elif len(batch) == 3:
-        ids, mask, labels = batch
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    else:
-        raise ValueError(f"expected a batch of 3 or 4 tensors, got {len(batch)}")
-    return nn.functional.cross_entropy(logits, labels)
-
-
-@dataclass(frozen=True)
-class NamedInputsLoss:
-    """``loss_fn`` for a batch ``(*inputs, labels)`` whose inputs are passed by keyword ``input_names``
-    (e.g. ``("inputs_embeds", "attention_mask")`` for a frozen-bottom :class:`~peft_lalora.data.frozen.BertTop`):
-    mean cross-entropy of ``model(**inputs).logits``."""
-
-    input_names: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
-
-    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        *inputs, labels = batch
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"expected {len(self.input_names)} inputs {self.input_names} + labels, got {len(batch)} tensors")
-        logits = model(**dict(zip(self.input_names, inputs, strict=True))).logits
-        return nn.functional.cross_entropy(logits, labels)
 
 
 @dataclass

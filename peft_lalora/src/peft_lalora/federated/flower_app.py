@@ -34,7 +34,6 @@ is why both runners then produce the same global adapter.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING

@@ -44,103 +44,30 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .app_config import APP_MODULE, write_flower_app
 from .certificates import TLSConfig, generate_tls
 from .federation import FederationConfig
 from .node_keys import NodeKeys, generate_node_keys
+from .processes import MARKER, free_port, group_kwargs, marked_pids
 
-__all__ = ["INSECURE_WARNING", "LocalFederation", "TLSConfig", "free_port", "run_flower", "write_flower_app"]
+__all__ = [
+    "APP_MODULE",
+    "INSECURE_WARNING",
+    "LocalFederation",
+    "TLSConfig",
+    "free_port",
+    "run_flower",
+    "write_flower_app",
+]
 
-MARKER = "LALORA_FEDERATION_ID"
-#: the Flower app's components, imported by module path from the installed peft-lalora package
-APP_MODULE = "peft_lalora.federated.flower_app"
 CONNECTION = "lalora-local"
 INSECURE_WARNING = (
     "insecure=True: the federation's traffic (adapters, updates, run configuration) is unencrypted and "
     "its SuperNodes are unauthenticated (any process that reaches the port can join); for local testing only"
 )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
-
-
-def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Path:
-    """Write a Flower app to ``directory``: a ``pyproject.toml`` with ``run_config`` as
-    ``[tool.flwr.app.config]`` whose components are :mod:`peft_lalora.federated.flower_app`'s ``server_app`` /
-    ``client_app``, imported by module path from the installed package (no source is copied)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    lines = [
-        "[build-system]",
-        'requires = ["hatchling"]',
-        'build-backend = "hatchling.build"',
-        "",
-        "[project]",
-        'name = "lalora-flower-app"',
-        'version = "1.0.0"',
-        'description = "DP federated LA-LoRA (peft-lalora) on Flower"',
-        'license = "Apache-2.0"',
-        'dependencies = ["peft-lalora[flower,dp]"]',
-        "",
-        "[tool.flwr.app]",
-        'publisher = "peft-lalora"',
-        "",
-        "[tool.flwr.app.components]",
-        f'serverapp = "{APP_MODULE}:server_app"',
-        f'clientapp = "{APP_MODULE}:client_app"',
-        "",
-        "[tool.flwr.app.config]",
-        *[f"{json.dumps(k)} = {_toml_value(v)}" for k, v in run_config.items()],
-        "",
-    ]
-    (d / "pyproject.toml").write_text("\n".join(lines))
-    return d
-
-
-def _group_kwargs(pgid: int | None) -> dict[str, Any]:
-    """Popen kwargs that put the child in process group ``pgid`` (0: a new group led by the child)."""
-    if pgid is None:
-        return {}
-    if sys.version_info >= (3, 11):
-        return {"process_group": pgid}
-    return {"preexec_fn": lambda: os.setpgid(0, pgid)}  # pragma: no cover - Python 3.10
-
-
-def _marked_pids(marker_value: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``MARKER=marker_value`` (Linux /proc)."""
-    needle = f"{MARKER}={marker_value}".encode()
-    me = os.getpid()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == b"Z":  # zombie: already dead, waiting to be reaped
-            continue
-        if needle in env.split(b"\0"):
-            out.append(int(entry))
-    return sorted(out)
 
 
 class LocalFederation:
@@ -220,7 +147,7 @@ class LocalFederation:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            **_group_kwargs(0 if self.pgid is None else self.pgid),
+            **group_kwargs(0 if self.pgid is None else self.pgid),
         )
         if self.pgid is None:
             self.pgid = proc.pid
@@ -313,7 +240,7 @@ class LocalFederation:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
-            **_group_kwargs(self.pgid),
+            **group_kwargs(self.pgid),
         )
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -409,7 +336,7 @@ class LocalFederation:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
-            **_group_kwargs(self.pgid),
+            **group_kwargs(self.pgid),
         )
         self._procs.append(proc)  # type: ignore[arg-type]
         try:
@@ -425,7 +352,7 @@ class LocalFederation:
     # ------------------------------------------------------------------------------------------- stop
     def leftovers(self) -> list[int]:
         """PIDs of this federation's processes still alive (should be ``[]`` after :meth:`stop`)."""
-        return _marked_pids(self.marker)
+        return marked_pids(self.marker)
 
     def _signal_all(self, sig: int) -> None:
         # signal the group only while one of our direct children is alive: then the group id cannot have
@@ -433,7 +360,7 @@ class LocalFederation:
         if self.pgid is not None and any(p.poll() is None for p in self._procs):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pgid, sig)
-        for pid in _marked_pids(self.marker):
+        for pid in marked_pids(self.marker):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
