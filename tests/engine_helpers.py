@@ -34,6 +34,9 @@ class Recorder(Denoiser):
         self.seen: list[list[dict[str, Any]]] = []
         self.raw: list[list[NoisyGradient]] = []
 
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> float:
+        return 1.0  # a pass-through
+
     def __call__(self, grads: Sequence[NoisyGradient]) -> None:
         self.raw.append(list(grads))
         self.seen.append(

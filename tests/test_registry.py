@@ -116,7 +116,7 @@ def test_unknown_name_mentions_broken_plugins(site):
         warnings.simplefilter("ignore")
         with pytest.raises(
             ValueError,
-            match=r"unknown denoiser 'no_such_denoiser'; available: add_const, .*double, lowpass, rmt"
+            match=r"unknown denoiser 'no_such_denoiser'; available: add_const, .*double, ema, lowpass, rmt"
             r".*failed to load: badsig, broken, dup, raising",
         ):
             reg.create("no_such_denoiser")

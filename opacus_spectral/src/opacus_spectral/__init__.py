@@ -7,6 +7,7 @@ accountant is untouched. Mathematics: ``docs/math.md``; Opacus facts relied on: 
 
 from .calibration import noise_std
 from .denoiser import Denoiser, DenoiserProtocol
+from .ema import EMADenoiser
 from .engine import PrivacyEngine
 from .grad_sample import set_trainable
 from .hookspecs import hookimpl
@@ -36,6 +37,7 @@ __all__ = [
     "DenoiserError",
     "DenoiserInfo",
     "DenoiserProtocol",
+    "EMADenoiser",
     "DenoiserSpec",
     "LoadError",
     "LowPassDenoiser",

@@ -17,6 +17,12 @@ def _rmt(**kwargs: Any) -> Any:
     return RMTDenoiser(**kwargs)
 
 
+def _ema(**kwargs: Any) -> Any:
+    from .ema import EMADenoiser
+
+    return EMADenoiser(**kwargs)
+
+
 def _lowpass(**kwargs: Any) -> Any:
     from .lowpass import LowPassDenoiser
 
@@ -25,4 +31,4 @@ def _lowpass(**kwargs: Any) -> Any:
 
 @hookimpl
 def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:
-    return {"rmt": _rmt, "lowpass": _lowpass}
+    return {"rmt": _rmt, "lowpass": _lowpass, "ema": _ema}

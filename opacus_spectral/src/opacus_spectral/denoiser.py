@@ -9,6 +9,9 @@ import torch
 
 from .records import NoisyGradient
 
+#: what :meth:`Denoiser.output_noise` returns: a gain or a kind, for all records or one per record
+NoiseDeclaration = float | str | Sequence[float | str]
+
 
 @runtime_checkable
 class DenoiserProtocol(Protocol):
@@ -18,7 +21,8 @@ class DenoiserProtocol(Protocol):
     record (same shape, dtype and device; ``None`` entries keep the record's tensor). It keeps neither a
     record nor its tensor's memory after the call (``.clone()`` what it keeps; ``.detach()`` shares the
     memory, ``docs/upstream.md`` §1.5); the engine copies outputs into fresh ``p.grad`` memory, so returning a
-    tensor it keeps is fine.
+    tensor it keeps is fine. Optionally it declares the noise its outputs carry with ``output_noise(grads)``
+    (see :meth:`Denoiser.output_noise`; a callable without it counts as ``"unknown"``).
     """
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None: ...
@@ -40,6 +44,18 @@ class Denoiser:
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None:
         raise NotImplementedError
+
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> NoiseDeclaration:
+        """What noise this call's outputs carry, per record (called by the pipeline right after ``__call__``).
+
+        A number ``g`` (for all records or one per record) says: the output noise is still i.i.d. Gaussian, with
+        per-entry std ``g × record.sigma`` — e.g. a pass-through (1.0) or a linear temporal filter
+        (``‖h‖₂`` of its impulse response, ``docs/math.md`` §4.1–§4.2). ``"colored"``: still Gaussian but
+        correlated across entries (a spatial filter); ``"unknown"``: anything else. The pipeline applies the
+        declaration (a denoiser cannot set ``sigma`` itself); the default is ``"unknown"``, so a spectral
+        denoiser placed after an undeclared one skips its records rather than assume a wrong noise level.
+        """
+        return "unknown"
 
     def selects(self, name: str, role: str) -> bool:
         """Whether this denoiser may act on the parameter ``name`` with ``role`` (default: every one).

@@ -138,7 +138,13 @@ class LowPassDenoiser(Denoiser):
             for b, (i, _) in enumerate(members):
                 out[i] = smoothed[b].reshape(grads[i].tensor.shape)
         self.diagnostics = {"filtered": sum(len(m) for m in groups.values())}
+        self._filtered = {i for members in groups.values() for i, _ in members}
         return out
+
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> list[float | str]:
+        """Filtered records: ``"colored"`` (a spatial filter correlates neighbouring entries, ``docs/math.md`` §2);
+        the others: unchanged (gain 1)."""
+        return ["colored" if i in getattr(self, "_filtered", set()) else 1.0 for i in range(len(grads))]
 
     def __repr__(self) -> str:
         extra = "" if self.kernel == "binomial5" else f", sigma={self.sigma}"

@@ -23,6 +23,7 @@ The same fused per-tensor norms serve the finiteness check and the norm bound: o
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import Counter, deque
@@ -34,7 +35,7 @@ import torch
 
 from .denoiser import DenoiserProtocol, denoiser_name
 from .parameters import ParamInfo
-from .records import NoisyGradient
+from .records import NOISE_COLORED, NOISE_ISOTROPIC, NOISE_UNKNOWN, NoisyGradient
 
 OnError = Literal["raise", "fallback"]
 OnNonFinite = Literal["raise", "skip_step", "ignore"]
@@ -202,12 +203,14 @@ class PostNoisePipeline:
             return self._nonfinite(diag, infos, in_finite, t_start)
         bound = self._bound(current, in_finite) if self.denoisers and in_finite is not None else None
         noisy_ref = [g.clone() for g in current] if self.oracle else None
+        sigmas = [float(sigma)] * len(current)  # the noise each record carries, as the denoisers declare it
+        kinds = [NOISE_ISOTROPIC] * len(current)
         for d, dname in zip(self.denoisers, self.names, strict=True):
             t0 = time.perf_counter()
             inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
             records = [
-                NoisyGradient(name=i.name, role=i.role, tensor=t, sigma=sigma, step=self.step, layer=i.layer)
-                for i, t in zip(infos, inputs, strict=False)
+                NoisyGradient(name=i.name, role=i.role, tensor=t, sigma=s, step=self.step, layer=i.layer, noise=k)
+                for i, t, s, k in zip(infos, inputs, sigmas, kinds, strict=True)
             ]
             self.diagnostics.calls[dname] += 1
             entry: dict[str, Any] = {"fallbacks": 0}
@@ -229,8 +232,10 @@ class PostNoisePipeline:
             new = self._validate(dname, records, outs, current)
             if in_finite is not None and bound is not None:
                 self._check_values(dname, new, current, in_finite, bound, infos)
-            n_fb = sum(1 for a, b in zip(new, current, strict=True) if a is b) if self.on_error == "fallback" else 0
+            kept = [a is b for a, b in zip(new, current, strict=True)]  # fallback: the input was kept
+            n_fb = sum(kept) if self.on_error == "fallback" else 0
             entry["fallbacks"] = n_fb
+            self._propagate_noise(d, dname, records, kept, sigmas, kinds)
             current = new
             entry["seconds"] = time.perf_counter() - t0
             extra = getattr(d, "diagnostics", None)
@@ -241,6 +246,46 @@ class PostNoisePipeline:
             diag.oracle = self._oracle(infos, noisy_ref, current, clean)
         self._finish(diag, t_start)
         return current
+
+    def _propagate_noise(
+        self,
+        d: DenoiserProtocol,
+        dname: str,
+        records: Sequence[NoisyGradient],
+        kept: Sequence[bool],
+        sigmas: list[float],
+        kinds: list[str],
+    ) -> None:
+        """Apply the denoiser's :meth:`~opacus_spectral.Denoiser.output_noise` declaration to the noise state
+        (a gain scales the std of isotropic noise; ``"colored"`` / ``"unknown"`` change the kind)."""
+        declare = getattr(d, "output_noise", None)
+        raw: Any = "unknown"
+        if declare is not None:
+            try:
+                raw = declare(records)
+            except Exception as exc:  # noqa: BLE001 - a broken declaration only costs the noise knowledge
+                self._warn_once(dname, "declare", f"denoiser {dname!r}: output_noise raised {exc!r}; noise unknown")
+        if isinstance(raw, (str, int, float)):
+            values: Sequence[Any] = [raw] * len(records)
+        elif isinstance(raw, Sequence) and len(raw) == len(records):
+            values = raw
+        else:
+            self._warn_once(dname, "declare", f"denoiser {dname!r}: output_noise returned {raw!r}; noise unknown")
+            values = ["unknown"] * len(records)
+        for i, v in enumerate(values):
+            if kept[i]:
+                continue
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                sigmas[i] *= float(v)  # kinds other than isotropic stay as they are
+            elif v == NOISE_COLORED and kinds[i] == NOISE_ISOTROPIC:
+                kinds[i] = NOISE_COLORED
+            elif v != NOISE_COLORED:
+                kinds[i] = NOISE_UNKNOWN
+
+    def _warn_once(self, dname: str, key: str, msg: str) -> None:
+        if (dname, key) not in self._warned:
+            self._warned.add((dname, key))
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
 
     def _finish(self, diag: StepDiagnostics, t_start: float) -> None:
         diag.seconds = time.perf_counter() - t_start

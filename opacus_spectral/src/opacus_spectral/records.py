@@ -19,6 +19,12 @@ ROLE_EMBEDDING = "embedding"  #: an nn.Embedding weight (rows = vocabulary)
 ROLE_LORA_A = "lora_A"  #: LoRA down-projection A, shape (r, in_features)
 ROLE_LORA_B = "lora_B"  #: LoRA up-projection B, shape (out_features, r)
 
+#: What noise a record's tensor carries (``NoisyGradient.noise``; ``docs/math.md`` §4):
+NOISE_ISOTROPIC = "isotropic"  #: i.i.d. Gaussian entries with the known per-entry std ``sigma`` (DP-SGD's noise)
+NOISE_COLORED = "colored"  #: Gaussian but correlated across entries (e.g. after a spatial low-pass filter)
+NOISE_UNKNOWN = "unknown"  #: changed by a denoiser that did not declare how (``sigma`` is then only indicative)
+NOISE_KINDS = (NOISE_ISOTROPIC, NOISE_COLORED, NOISE_UNKNOWN)
+
 
 class ParameterRole(NamedTuple):
     """The role of one parameter as told by a role plugin (``opacus_spectral_parameter_roles``)."""
@@ -35,9 +41,12 @@ class NoisyGradient:
         name: qualified parameter name in the user's model (no ``_module.`` wrapper prefix).
         role: ``"weight"``, ``"bias"``, ``"embedding"``, ``"lora_A"``, ``"lora_B"`` or a plugin's role.
         tensor: the noisy gradient G~ = G + s·Z (``docs/math.md`` §1.1). Edit it in place, or return a replacement.
-        sigma: s, the per-entry standard deviation of the noise in ``tensor`` (``noise_std``).
+        sigma: s, the per-entry standard deviation of the noise in ``tensor``: ``noise_std`` for the first
+            denoiser, then as the earlier denoisers declared it (:meth:`~opacus_spectral.Denoiser.output_noise`).
         step: logical optimizer step (0-based) this gradient belongs to.
         layer: owning layer's qualified name when a role plugin knows it (LoRA pairs share it).
+        noise: ``"isotropic"`` (i.i.d. entries of std ``sigma``: what RMT assumes), ``"colored"`` or
+            ``"unknown"``; spectral denoisers act only on isotropic records.
     """
 
     name: str
@@ -46,6 +55,7 @@ class NoisyGradient:
     sigma: float
     step: int
     layer: str | None = None
+    noise: str = NOISE_ISOTROPIC
 
     @property
     def shape(self) -> torch.Size:

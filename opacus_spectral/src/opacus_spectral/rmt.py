@@ -7,6 +7,7 @@ as matrices, groups same-shape matrices into one batched call and publishes chea
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,9 +15,18 @@ import torch
 from torch import Tensor
 
 from .denoiser import Denoiser
-from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
+from .records import NOISE_ISOTROPIC, ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
 from .selection import ParamFilter, describe_param_filter, resolve_param_filter, resolve_roles
-from .spectral import Gate, Method, rmt_denoise, tracy_widom_quantile
+from .spectral import (
+    Gate,
+    Method,
+    NormCorrection,
+    gate_threshold,
+    resolve_norm_correction,
+    resolve_residual,
+    rmt_denoise,
+    tracy_widom_quantile,
+)
 
 __all__ = ["RMTDenoiser", "ParamFilter", "matrix_view", "resolve_param_filter", "resolve_dtype"]
 
@@ -58,7 +68,15 @@ class RMTDenoiser(Denoiser):
         gate: ``"kappa"`` or ``"tracy_widom"``.
         false_alarm: the Tracy–Widom gate's false-alarm rate on pure noise, in [1e-8, 0.5].
         tw_centering: ``"johnstone"`` (Johnstone 2001, conservative on thin shapes) or ``"ma"`` (Ma 2012).
-        norm_correction: rescale each denoised matrix to its noisy Frobenius norm.
+        norm_correction: ``"noisy"`` / ``True`` (paper A: rescale each denoised matrix to its noisy Frobenius
+            norm), ``"clean_estimate"`` (to ``sqrt(max(‖G~‖² − mn·s², 0))``, the unbiased clean-norm estimate) or
+            ``"none"`` / ``False`` (``docs/math.md`` §1.8).
+        residual: the sub-threshold part of a gated matrix: ``0`` (paper A: dropped), a factor ``ρ ∈ (0, 1]``
+            (kept, scaled by ρ; only the spikes are shrunk by RMT) or ``"james_stein"`` (ρ estimated per matrix);
+            ``docs/math.md`` §1.11.
+        warn_after: after this many calls, warn once if no matrix was ever gated (the denoiser is then a no-op
+            at this noise level) or if most gates were marginal (top singular value within 5 % of the threshold:
+            likely false gates on noise). One host sync at that call only; ``0`` disables.
         roles: roles to act on (default: ``weight``, ``lora_A``, ``lora_B``; e.g. ``("lora_A", "lora_B")``; a
             plain string is one role).
         params: optional name filter: a substring, substrings (any match) or a predicate on the qualified name.
@@ -91,7 +109,8 @@ class RMTDenoiser(Denoiser):
         gate: Gate = "kappa",
         false_alarm: float = 1e-3,
         tw_centering: str = "johnstone",
-        norm_correction: bool = True,
+        norm_correction: bool | NormCorrection = True,
+        residual: float | str = 0.0,
         roles: str | Iterable[str] | None = None,
         params: ParamFilter = None,
         compute_dtype: torch.dtype | str = torch.float32,
@@ -105,6 +124,7 @@ class RMTDenoiser(Denoiser):
         diagnostics: bool = False,
         seed: int = 0,
         inplace: bool = True,
+        warn_after: int = 100,
     ) -> None:
         super().__init__()
         if not (isinstance(kappa, (int, float)) and math.isfinite(kappa) and kappa > 0):
@@ -127,7 +147,15 @@ class RMTDenoiser(Denoiser):
         self.gate = gate
         self.false_alarm = float(false_alarm)
         self.tw_centering = tw_centering
-        self.norm_correction = bool(norm_correction)
+        self.norm_correction = resolve_norm_correction(norm_correction)
+        self.residual = resolve_residual(residual)
+        if not isinstance(warn_after, int) or warn_after < 0:
+            raise ValueError(f"warn_after must be an int >= 0, got {warn_after!r}")
+        self.warn_after = warn_after
+        self._calls = 0
+        self._run_gated: Tensor | None = None  #: gated / marginal counts since the start, on the device
+        self._run_marginal: Tensor | None = None
+        self._selected: set[int] = set()
         self.roles: frozenset[str] = resolve_roles(roles, DEFAULT_ROLES)
         self.params = params
         self._select_name = resolve_param_filter(params)
@@ -150,8 +178,9 @@ class RMTDenoiser(Denoiser):
         return f"roles={sorted(self.roles)}, {describe_param_filter(self.params)}"
 
     def select(self, rec: NoisyGradient) -> Tensor | None:
-        """The matrix view of ``rec`` if this denoiser acts on it, else ``None``."""
-        if not self.selects(rec.name, rec.role):
+        """The matrix view of ``rec`` if this denoiser acts on it, else ``None`` (also for noise that is not
+        isotropic with a known std: the random-matrix model does not hold for it)."""
+        if not self.selects(rec.name, rec.role) or rec.noise != NOISE_ISOTROPIC:
             return None
         sigma = rec.sigma
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):
@@ -163,10 +192,15 @@ class RMTDenoiser(Denoiser):
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[Tensor | None] | None:
         out: list[Tensor | None] = [None] * len(grads)
         groups: dict[tuple[Any, ...], list[tuple[int, Tensor]]] = {}
+        skipped_noise = 0
         for i, rec in enumerate(grads):
             mat = self.select(rec)
             if mat is not None:
                 groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append((i, mat))
+            elif rec.noise != NOISE_ISOTROPIC and self.selects(rec.name, rec.role) and rec.tensor.dim() >= 2:
+                skipped_noise += 1
+        self._selected = {i for members in groups.values() for i, _ in members}
+        marginal_total: Tensor | None = None
         gated_total: Tensor | None = None
         nonfinite_total: Tensor | None = None
         per_matrix: dict[str, dict[str, Tensor]] = {}
@@ -189,12 +223,18 @@ class RMTDenoiser(Denoiser):
                 res = rmt_denoise(
                     stacked, sigma, gate=self.gate, kappa=self.kappa, false_alarm=self.false_alarm,
                     tw_centering=self.tw_centering,  # type: ignore[arg-type]
-                    norm_correction=self.norm_correction, method=self.method, gram_max=self.gram_max,
+                    norm_correction=self.norm_correction, residual=self.residual, method=self.method,
+                    gram_max=self.gram_max,
                     oversample=self.oversample, max_iter=self.max_iter, tol=self.tol,
                     compute_dtype=self.compute_dtype, seed=self.seed, inplace=True,
                 )  # fmt: skip
                 n_gated = res.gated.sum()
                 n_bad = (~res.finite).sum()
+                m, n = shape
+                tau = gate_threshold(torch.as_tensor(sigma, dtype=res.top.dtype, device=res.top.device), m, n,
+                                     self.gate, self.kappa, self.false_alarm, self.tw_centering)  # type: ignore[arg-type]
+                n_marginal = (res.gated & (res.top < 1.05 * tau)).sum()
+                marginal_total = n_marginal if marginal_total is None else marginal_total + n_marginal
                 gated_total = n_gated if gated_total is None else gated_total + n_gated.to(gated_total.device)
                 nonfinite_total = (
                     n_bad if nonfinite_total is None else nonfinite_total + n_bad.to(nonfinite_total.device)
@@ -209,14 +249,56 @@ class RMTDenoiser(Denoiser):
                 if before is not None:
                     self._collect(per_matrix, grads, chunk, before, self._spectra(stacked), res.gated, res.top)
                 del stacked, res  # free this chunk's buffers before the next one is stacked
+        zero = torch.zeros((), dtype=torch.int64)
         self.diagnostics = {
             "matrices": n_matrices,
-            "gated": gated_total if gated_total is not None else torch.zeros((), dtype=torch.int64),
-            "nonfinite": nonfinite_total if nonfinite_total is not None else torch.zeros((), dtype=torch.int64),
+            "gated": gated_total if gated_total is not None else zero,
+            "marginal": marginal_total if marginal_total is not None else zero,
+            "nonfinite": nonfinite_total if nonfinite_total is not None else zero,
+            "skipped_noise": skipped_noise,
         }
+        self._watch(self.diagnostics["gated"], self.diagnostics["marginal"], n_matrices)
         if self.collect:
             self.diagnostics["per_matrix"] = per_matrix
         return None if self.inplace else out
+
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> list[float | str]:
+        """Records this call acted on: ``"unknown"`` (shrunk, or left as they were when the gate stayed closed —
+        which is not known here without a sync); every other record: unchanged (gain 1)."""
+        return ["unknown" if i in self._selected else 1.0 for i in range(len(grads))]
+
+    def _watch(self, gated: Tensor, marginal: Tensor, n_matrices: int) -> None:
+        """Accumulate gate counts on the device; at call ``warn_after`` read them once and warn if useless."""
+        if self.warn_after == 0 or n_matrices == 0:
+            return
+        self._calls += 1
+        self._run_gated = gated if self._run_gated is None else self._run_gated + gated.to(self._run_gated.device)
+        self._run_marginal = (
+            marginal if self._run_marginal is None else self._run_marginal + marginal.to(self._run_marginal.device)
+        )
+        if self._calls != self.warn_after:
+            return
+        n_gated, n_marginal = int(self._run_gated), int(self._run_marginal)  # the one sync
+        if n_gated == 0:
+            warnings.warn(
+                f"rmt gated no matrix in its first {self.warn_after} steps: at this noise level no singular value "
+                "rose above the noise edge, so it changes nothing (a larger batch, or denoising a temporal "
+                "average such as post_hooks=['ema', 'rmt'], raises the signal-to-noise ratio)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        elif n_marginal > 0.5 * n_gated:
+            warnings.warn(
+                f"{n_marginal} of the {n_gated} gates rmt opened in its first {self.warn_after} steps were "
+                "marginal (top singular value within 5 % of the threshold): likely noise crossing the gate. "
+                "Consider gate='tracy_widom' (a stated false-alarm rate) and norm_correction='clean_estimate'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def reset(self) -> None:
+        self._calls = 0
+        self._run_gated = self._run_marginal = None
 
     def _spectra(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(spectral entropy, Frobenius norm) per matrix of a batch, in the compute dtype (diagnostics only)."""
@@ -249,4 +331,7 @@ class RMTDenoiser(Denoiser):
 
     def __repr__(self) -> str:
         gate = f"kappa={self.kappa}" if self.gate == "kappa" else f"tracy_widom, false_alarm={self.false_alarm}"
-        return f"RMTDenoiser({gate}, norm_correction={self.norm_correction}, roles={sorted(self.roles)})"
+        return (
+            f"RMTDenoiser({gate}, norm_correction={self.norm_correction!r}, residual={self.residual!r}, "
+            f"roles={sorted(self.roles)})"
+        )

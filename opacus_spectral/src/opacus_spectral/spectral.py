@@ -31,21 +31,25 @@ refinement iteration of the (rare) matrices that pass.
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from .tracy_widom import TW1_LOG10_ALPHA, TW1_QUANTILES, tracy_widom_quantile, tracy_widom_threshold
+
 __all__ = [
     "TW1_LOG10_ALPHA",
     "TW1_QUANTILES",
+    "NORM_CORRECTIONS",
     "DenoiseResult",
     "bbp_threshold",
     "bulk_edge",
     "gate_threshold",
     "invert_inflation",
     "optimal_shrinkage",
+    "resolve_norm_correction",
+    "resolve_residual",
     "rmt_denoise",
     "shrink_singular_values",
     "tracy_widom_quantile",
@@ -54,52 +58,28 @@ __all__ = [
 
 Gate = Literal["kappa", "tracy_widom"]
 Method = Literal["auto", "gram", "truncated", "full"]
-
-# --------------------------------------------------------------------------------------------------
-# Tracy–Widom (β = 1) upper quantiles.
-# TW1_QUANTILES[i] = q with P(TW1 > q) = 10 ** TW1_LOG10_ALPHA[i], alpha from 10^-0.3 (≈0.5) to 1e-8 in
-# steps of 0.1 decade. Computed for this project (scipy 1.17, float64) from the Ferrari–Spohn (2005)
-# Fredholm-determinant formula F1(s) = det(I − K_s) on L²(0, ∞), K_s(x, y) = Ai(x + y + s), by Bornemann's
-# (2010) Nyström method (100-point Gauss–Legendre on [0, 14]); quantiles by Brent root finding to 1e-13.
-# They agree with the published values (Johnstone 2001 Table 1; Bejan 2005; docs/math.md §1.7): 0.90 → 0.4501,
-# 0.95 → 0.9793, 0.99 → 2.0234. tests/test_spectral.py recomputes a few entries when scipy is available.
-TW1_LOG10_ALPHA: tuple[float, ...] = tuple(-k / 10 for k in range(3, 81))
-TW1_QUANTILES: tuple[float, ...] = (
-    -1.272311, -0.940013, -0.653229, -0.397017, -0.162997, 0.054049,
-    0.257609, 0.450143, 0.633460, 0.808927, 0.977611, 1.140359,
-    1.297857, 1.450669, 1.599266, 1.744044, 1.885342, 2.023449,
-    2.158619, 2.291072, 2.421001, 2.548578, 2.673956, 2.797272,
-    2.918648, 3.038195, 3.156014, 3.272196, 3.386825, 3.499976,
-    3.611721, 3.722124, 3.831245, 3.939139, 4.045857, 4.151447,
-    4.255955, 4.359420, 4.461883, 4.563380, 4.663945, 4.763610,
-    4.862406, 4.960362, 5.057503, 5.153857, 5.249447, 5.344296,
-    5.438426, 5.531858, 5.624611, 5.716704, 5.808155, 5.898982,
-    5.989200, 6.078824, 6.167871, 6.256354, 6.344287, 6.431683,
-    6.518555, 6.604914, 6.690772, 6.776141, 6.861031, 6.945452,
-    7.029415, 7.112929, 7.196003, 7.278646, 7.360868, 7.442675,
-    7.524076, 7.605080, 7.685693, 7.765922, 7.845776, 7.925260,
-)  # fmt: skip
+NormCorrection = Literal["noisy", "clean_estimate", "none"]
+NORM_CORRECTIONS: tuple[str, ...] = ("noisy", "clean_estimate", "none")
 
 
-def tracy_widom_quantile(false_alarm: float) -> float:
-    """Upper quantile ``q`` of the GOE Tracy–Widom law: ``P(TW1 > q) = false_alarm``.
+def resolve_norm_correction(value: bool | str) -> str:
+    """``True`` → ``"noisy"`` (paper A), ``False`` → ``"none"``; a string must be one of :data:`NORM_CORRECTIONS`."""
+    if value is True:
+        return "noisy"
+    if value is False:
+        return "none"
+    if value not in NORM_CORRECTIONS:
+        raise ValueError(f"norm_correction must be one of {NORM_CORRECTIONS} (or True/False), got {value!r}")
+    return str(value)
 
-    Linear interpolation of the table above in ``log10(false_alarm)`` (grid 0.1 decade; the
-    interpolation error is below 1e-3 in ``q``). Valid for ``1e-8 <= false_alarm <= 0.5``.
-    """
-    a = float(false_alarm)
-    if not (1e-8 <= a <= 10 ** TW1_LOG10_ALPHA[0] + 1e-12):
-        raise ValueError(f"false_alarm must be in [1e-8, 0.5], got {false_alarm!r}")
-    x = math.log10(a)
-    grid = TW1_LOG10_ALPHA
-    if x >= grid[0]:
-        return TW1_QUANTILES[0]
-    # grid is decreasing in steps of 0.1
-    pos = (grid[0] - x) / 0.1
-    i = min(int(pos), len(grid) - 2)
-    frac = pos - i
-    return TW1_QUANTILES[i] + frac * (TW1_QUANTILES[i + 1] - TW1_QUANTILES[i])
 
+def resolve_residual(value: float | str) -> float | str:
+    """``residual``: a factor in [0, 1] for the sub-threshold part, or ``"james_stein"`` (estimated per matrix)."""
+    if value == "james_stein":
+        return "james_stein"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"residual must be a number in [0, 1] or 'james_stein', got {value!r}")
+    return float(value)
 
 # --------------------------------------------------------------------------------------------------
 # Scalar RMT maps (elementwise on tensors; m, n are Python numbers)
@@ -155,45 +135,6 @@ def shrink_singular_values(observed: Tensor, sigma: Tensor, m: int, n: int) -> T
     return optimal_shrinkage(invert_inflation(observed, sigma, m, n), sigma, m, n)
 
 
-def tracy_widom_threshold(
-    sigma: Tensor | float,
-    m: int,
-    n: int,
-    false_alarm: float,
-    centering: Literal["johnstone", "ma"] = "johnstone",
-) -> Tensor | float:
-    """Largest-singular-value threshold with false-alarm rate ``false_alarm`` on pure noise ``s·Z``
-    (``docs/math.md`` §1.7).
-
-    Johnstone (2001), Theorem 1.1: for ``Z`` (N × p) with i.i.d. N(0,1) entries and ``l₁`` the largest
-    eigenvalue of ``ZᵀZ``, ``(l₁ − μ)/σ → TW1`` with ``μ = (√(N−1) + √p)²`` and
-    ``σ = (√(N−1) + √p)(1/√(N−1) + 1/√p)^{1/3}``. Here ``N = max(m, n)``, ``p = min(m, n)``, and the
-    threshold is ``s·sqrt(μ + σ·q)`` with ``P(TW1 > q) = false_alarm``. ``centering="ma"`` uses
-    Ma (2012)'s second-order-accurate ``N − ½``, ``p − ½`` in both formulas; Johnstone's centering is
-    conservative for thin shapes (measured 768×8: 3.3 % false alarms at a requested 5 %; Ma: 4.6 %).
-    For a 1 × N matrix the law of ``l₁ = ‖z‖²`` is χ²_N; its Wilson–Hilferty quantile is used instead.
-    """
-    big, small = max(m, n), min(m, n)
-    if small < 1:
-        raise ValueError(f"Tracy–Widom gate needs a non-empty matrix, got {m}×{n}")
-    if small == 1:
-        # a vector: l₁ = ‖z‖² ~ χ²_N exactly; Wilson–Hilferty quantile (TW is not meant for p = 1)
-        z = statistics.NormalDist().inv_cdf(1.0 - false_alarm)
-        c = 2.0 / (9.0 * big)
-        return sigma * math.sqrt(big * (1.0 - c + z * math.sqrt(c)) ** 3)
-    if centering == "johnstone":
-        a, b = big - 1.0, float(small)
-    elif centering == "ma":
-        a, b = big - 0.5, small - 0.5
-    else:
-        raise ValueError(f"centering must be 'johnstone' or 'ma', got {centering!r}")
-    ra, rb = math.sqrt(a), math.sqrt(b)
-    mu = (ra + rb) ** 2
-    scale = (ra + rb) * (1.0 / ra + 1.0 / rb) ** (1.0 / 3.0)
-    level = mu + scale * tracy_widom_quantile(false_alarm)
-    return sigma * math.sqrt(max(level, 0.0))
-
-
 def gate_threshold(
     sigma: Tensor,
     m: int,
@@ -225,28 +166,60 @@ class DenoiseResult(NamedTuple):
     touched: bool  #: False when the result is known, without a sync, to equal the input (nothing gated)
 
 
-def _shrink_full(x: Tensor, sigma: Tensor, m: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+def _residual_factor(x: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
+                     ) -> Tensor:  # fmt: skip
+    """ρ per matrix (B,): the constant, or the James–Stein factor ``max(0, 1 − dof·s²/‖R‖²)`` of the residual
+    ``R = X − Σ_spikes λ~_i u_i v_iᵀ`` (``‖R‖² = ‖X‖² − Σ_spikes λ~_i²``, ``dof = (m−k)(n−k)``)."""
+    if residual != "james_stein":
+        return torch.full_like(sigma, float(residual))
+    spike = eta > 0
+    k = spike.sum(-1).to(x.dtype)
+    r2 = (x.square().sum((1, 2)) - torch.where(spike, sv.square(), torch.zeros_like(sv)).sum(-1)).clamp_min(0.0)
+    dof = (m - k) * (n - k)
+    rho = 1.0 - dof * sigma.square() / r2.clamp_min(torch.finfo(x.dtype).tiny)
+    return rho.clamp(0.0, 1.0)
+
+
+def _shrink_full(x: Tensor, sigma: Tensor, m: int, n: int, residual: float | str = 0.0
+                 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     u, sv, vh = torch.linalg.svd(x, full_matrices=False)
     eta = shrink_singular_values(sv, sigma[:, None], m, n)
-    return u @ (eta.unsqueeze(-1) * vh), sv[:, 0], eta
+    if residual == 0.0:
+        return u @ (eta.unsqueeze(-1) * vh), sv[:, 0], eta
+    rho = _residual_factor(x, sv, eta, sigma, m, n, residual)
+    # ρX + Σ_spikes (η − ρλ~) u vᵀ: the spikes shrunk by RMT, everything else scaled by ρ
+    coef = torch.where(eta > 0, eta - rho[:, None] * sv, torch.zeros_like(eta))
+    return rho[:, None, None] * x + u @ (coef.unsqueeze(-1) * vh), sv[:, 0], eta
+
+
+def _project(x: Tensor, u: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
+             ) -> Tensor:  # fmt: skip
+    """Ĝ = P X with the small (m × m) ``P = ρI + U diag(η/λ~ − ρ)_spikes Uᵀ`` (ρ = 0: the paper's rank-k
+    estimate): one full-size product, one full-size result."""
+    tiny = torch.finfo(sv.dtype).tiny
+    coef = torch.where(eta > 0, eta / sv.clamp_min(tiny), torch.zeros_like(eta))
+    if residual == 0.0:
+        return (u * coef.unsqueeze(1)) @ u.transpose(1, 2) @ x
+    rho = _residual_factor(x, sv, eta, sigma, m, n, residual)
+    coef = torch.where(eta > 0, coef - rho[:, None], torch.zeros_like(coef))
+    p = (u * coef.unsqueeze(1)) @ u.transpose(1, 2)
+    p.diagonal(dim1=1, dim2=2).add_(rho[:, None])
+    return p @ x
 
 
 def _shrink_gram(
-    x: Tensor, sigma: Tensor, m: int, n: int, gram: Tensor | None = None
+    x: Tensor, sigma: Tensor, m: int, n: int, gram: Tensor | None = None, residual: float | str = 0.0
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """x: (B, m, n) with m ≤ n. Ĝ = U diag(η/λ~) Uᵀ X from the eigen-decomposition of X Xᵀ."""
+    """x: (B, m, n) with m ≤ n. Ĝ from the eigen-decomposition of X Xᵀ (:func:`_project`)."""
     w, u = torch.linalg.eigh(x @ x.transpose(1, 2) if gram is None else gram)
     sv = w.clamp_min(0.0).sqrt()
     eta = shrink_singular_values(sv, sigma[:, None], m, n)
-    coef = torch.where(eta > 0, eta / sv.clamp_min(torch.finfo(sv.dtype).tiny), torch.zeros_like(eta))
-    # Ĝ = P X with the small (m × m) P = U diag(η/λ~) Uᵀ: one full-size product, one full-size result
-    den = (u * coef.unsqueeze(1)) @ u.transpose(1, 2) @ x
-    return den, sv[:, -1], eta
+    return _project(x, u, sv, eta, sigma, m, n, residual), sv[:, -1], eta
 
 
 def _spikes_from_gram(
     a: Tensor, x: Tensor, sigma: Tensor, m: int, n: int, *, oversample: int, max_iter: int, tol: float,
-    generator: torch.Generator,
+    generator: torch.Generator, residual: float | str = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Truncated eigen-decomposition of ``A = X Xᵀ`` resolving only the eigenvalues above ``edge²``.
 
@@ -287,10 +260,8 @@ def _spikes_from_gram(
             continue
         sv = theta.clamp_min(0.0).sqrt()
         eta = shrink_singular_values(sv, sigma[:, None], m, n)
-        coef = torch.where(eta > 0, eta / sv.clamp_min(torch.finfo(sv.dtype).tiny), torch.zeros_like(eta))
-        den = (u * coef.unsqueeze(1)) @ u.transpose(1, 2) @ x
-        return den, sv[:, -1], eta
-    return _shrink_gram(x, sigma, m, n, gram=a)
+        return _project(x, u, sv, eta, sigma, m, n, residual), sv[:, -1], eta
+    return _shrink_gram(x, sigma, m, n, gram=a, residual=residual)
 
 
 def rmt_denoise(
@@ -301,7 +272,8 @@ def rmt_denoise(
     kappa: float = 1.02,
     false_alarm: float = 1e-3,
     tw_centering: Literal["johnstone", "ma"] = "johnstone",
-    norm_correction: bool = True,
+    norm_correction: bool | NormCorrection = True,
+    residual: float | str = 0.0,
     method: Method = "auto",
     gram_max: int = 64,
     oversample: int = 8,
@@ -317,7 +289,14 @@ def rmt_denoise(
         g: (B, m, n) or (m, n) noisy matrices of any float dtype.
         sigma: per-entry noise std, a float or a (B,) tensor; matrices with ``sigma <= 0`` are untouched.
         gate: ``"kappa"`` (``λ~₁ > κ·s(√m+√n)``) or ``"tracy_widom"`` (false-alarm rate ``false_alarm``).
-        norm_correction: rescale the result to the input's Frobenius norm.
+        norm_correction: ``"noisy"`` (or ``True``, paper A): rescale the result to the input's Frobenius norm;
+            ``"clean_estimate"``: to the unbiased estimate of the clean norm ``sqrt(max(‖G~‖² − mn·s², 0))``;
+            ``"none"`` (or ``False``): no rescaling (``docs/math.md`` §1.8).
+        residual: what happens to the part of the matrix below the noise edge (``docs/math.md`` §1.11). ``0``
+            (paper A): dropped, the result has rank = number of spikes. ``ρ ∈ (0, 1]``: kept with factor ρ —
+            ``Ĝ = ρ·G~ + Σ_spikes (η_i − ρ·λ~_i) u_i v_iᵀ``, i.e. only the spikes are shrunk by RMT and the rest
+            is attenuated, not zeroed (ρ = 1: only the inflated spike values are deflated). ``"james_stein"``:
+            ρ estimated per matrix as ``max(0, 1 − dof·s²/‖R‖²)``, ``R`` the residual, ``dof = (m−k)(n−k)``.
         method: ``"auto"`` (Gram path if ``min(m,n) <= gram_max`` else truncated), or force one.
         oversample, max_iter, tol: truncated path. Gate first, exactly and without an SVD: a Cholesky
             factorisation of ``τ²I − X Xᵀ`` (``X Xᵀ`` on the small side) succeeds iff ``λ~₁ < τ``. Only
@@ -345,6 +324,8 @@ def rmt_denoise(
         raise TypeError(f"expected a floating tensor, got {g.dtype}")
     if method not in ("auto", "gram", "truncated", "full"):
         raise ValueError(f"unknown method {method!r}")
+    norm = resolve_norm_correction(norm_correction)
+    residual = resolve_residual(residual)
     bsz, m0, n0 = g.shape
     dev = g.device
     cdt = torch.promote_types(compute_dtype, g.dtype)
@@ -411,11 +392,11 @@ def rmt_denoise(
         xc = x[idx]
         den_c, top_c, eta_c = _spikes_from_gram(
             xc @ xc.transpose(1, 2), xc, s_safe[idx], m, n,
-            oversample=oversample, max_iter=max_iter, tol=eps_tol, generator=gen,
+            oversample=oversample, max_iter=max_iter, tol=eps_tol, generator=gen, residual=residual,
         )
         # the Cholesky screen already certified λ~₁ ≥ max(τ, edge) for these; η₁ > 0 confirms it
         gated_c = eta_c.amax(-1) > 0
-        den_c = _finish(xc, den_c, gated_c, norm_correction)
+        den_c = _finish(xc, den_c, gated_c, norm, s_safe[idx])
         if transposed:
             den_c = den_c.transpose(1, 2)
         # only the candidates are rewritten: one copy of the input for the output, nothing else full-size
@@ -425,11 +406,11 @@ def rmt_denoise(
         top = torch.zeros(bsz, dtype=cdt, device=dev).index_copy(0, idx, top_c)
     else:
         if path == "gram":
-            den, top, eta = _shrink_gram(x, s_safe, m, n, gram=a)
+            den, top, eta = _shrink_gram(x, s_safe, m, n, gram=a, residual=residual)
         else:
-            den, top, eta = _shrink_full(x, s_safe, m, n)
+            den, top, eta = _shrink_full(x, s_safe, m, n, residual=residual)
         gated = active & (top > tau) & (eta.amax(-1) > 0)
-        den = _finish(x, den, gated, norm_correction)
+        den = _finish(x, den, gated, norm, s_safe)
         if transposed:
             den = den.transpose(1, 2)
         den = den.to(g.dtype)
@@ -441,14 +422,16 @@ def rmt_denoise(
     return DenoiseResult(out, gated, finite, top, True)
 
 
-def _finish(x: Tensor, den: Tensor, gated: Tensor, norm_correction: bool) -> Tensor:
-    """Norm correction ``(‖G~‖_F/‖Ĝ‖_F)·Ĝ`` for gated matrices (the caller discards the others).
-
-    ``docs/math.md`` §1.8.
-    """
-    if not norm_correction:
+def _finish(x: Tensor, den: Tensor, gated: Tensor, norm: str, sigma: Tensor) -> Tensor:
+    """Norm correction of gated matrices (the caller discards the others; ``docs/math.md`` §1.8): to the noisy
+    norm ``‖G~‖_F`` (``"noisy"``), to the clean-norm estimate ``sqrt(max(‖G~‖² − mn·s², 0))``
+    (``"clean_estimate"``), or none."""
+    if norm == "none":
         return den
     nx = torch.linalg.vector_norm(x, dim=(1, 2))
+    if norm == "clean_estimate":
+        m, n = x.shape[1], x.shape[2]
+        nx = (nx.square() - m * n * sigma.square()).clamp_min(0.0).sqrt()
     nd = torch.linalg.vector_norm(den, dim=(1, 2))
     scale = torch.where(gated & (nd > 0), nx / nd.clamp_min(torch.finfo(nd.dtype).tiny), torch.ones_like(nd))
     return den.mul_(scale[:, None, None])

@@ -104,3 +104,19 @@ def test_make_private_uses_doppler_by_name():
     (d,) = engine.post_hooks.denoisers
     assert isinstance(d, DopplerDenoiser) and d.b == PRESETS["second_order"][1]
     assert set(d.t.values()) == {engine.post_hooks.diagnostics.steps} and engine.post_hooks.diagnostics.steps >= 1
+
+
+def test_declared_output_noise_matches_the_measured_std_on_white_noise():
+    from opacus_spectral import NoisyGradient
+
+    d = DopplerDenoiser()
+    gen = torch.Generator().manual_seed(0)
+    s = 0.3
+    for t in range(12):
+        rec = NoisyGradient("w", "weight", s * torch.randn(200, 200, generator=gen), s, t)
+        out = d([rec])[0]
+        (gain,) = d.output_noise([rec])
+        assert float(out.std()) == pytest.approx(gain * s, rel=0.03), t
+    assert gain < 0.5  # the filter averages the white noise down
+    d([NoisyGradient("w", "weight", torch.randn(200, 200, generator=gen), 2 * s, 12)])  # the std changed:
+    assert d.output_noise([None]) == ["unknown"]  # no exact gain any more

@@ -91,6 +91,9 @@ class Recorder:
             self.seen[step] = {g.name: g.tensor.detach().clone() for g in grads if g.tensor.dim() == 2}
         return None
 
+    def output_noise(self, grads: Sequence[Any]) -> float:
+        return 1.0  # a pass-through: the noise is unchanged
+
 
 def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: Config, acc0: float) -> dict[str, Any]:
     """Train one arm (``hooks`` = its post_hooks) for ``cfg.steps`` logical DP steps; curves + diagnostics."""

@@ -44,6 +44,9 @@ class Capture(Denoiser):
         super().__init__()
         self.steps: list[list[NoisyGradient]] = []
 
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> float:
+        return 1.0  # a pass-through
+
     def __call__(self, grads: Sequence[NoisyGradient]) -> None:
         self.steps.append([NoisyGradient(g.name, g.role, g.tensor.clone(), g.sigma, g.step, g.layer) for g in grads])
 

@@ -32,6 +32,16 @@ PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 }
 
 
+def impulse_response(a: Sequence[float], b: Sequence[float], steps: int) -> list[float]:
+    """h_0..h_{steps−1}: the filter's output for a unit impulse at step 0 (its noise gain is ``sqrt(Σ h²)``)."""
+    h: list[float] = []
+    for t in range(steps):
+        v = b[t] if t < len(b) else 0.0
+        v -= sum(a[k] * h[t - k] for k in range(1, min(t, len(a) - 1) + 1))
+        h.append(v)
+    return h
+
+
 def step_response(a: Sequence[float], b: Sequence[float], steps: int) -> list[float]:
     """c_0..c_{steps−1}: the filter's output for a unit step input (the bias-correction denominators)."""
     c: list[float] = []
@@ -78,6 +88,8 @@ class DopplerDenoiser(Denoiser):
         self.roles = None if roles is None else resolve_roles(roles, ())
         self.state_dtype = state_dtype
         self._c = step_response(a, b, 1)
+        self._h2: list[float] = []  #: cumulative Σ_{j≤t} h_j²
+        self._gains: list[float | str] = []
         self.reset()
 
     def selects(self, name: str, role: str) -> bool:
@@ -89,8 +101,24 @@ class DopplerDenoiser(Denoiser):
     def reset(self) -> None:
         #: per parameter: t, past inputs g̃_{t−1..t−n_b}, past outputs m_{t−1..t−n_a}
         self.t: dict[str, int] = {}
+        self.sigma: dict[str, float] = {}  #: the noise std this parameter's history was filtered with
         self.x_hist: dict[str, list[torch.Tensor]] = {}
         self.y_hist: dict[str, list[torch.Tensor]] = {}
+
+    def _gain_at(self, t: int) -> float:
+        """Output noise std / input noise std at (0-based) step ``t`` for a constant input std: ``‖h_{0..t}‖₂/c_t``."""
+        if t >= len(self._h2):
+            h = impulse_response(self.a, self.b, max(t + 1, 2 * len(self._h2)))
+            acc, self._h2 = 0.0, []
+            for v in h:
+                acc += v * v
+                self._h2.append(acc)
+        return self._h2[t] ** 0.5 / self._c_at(t)
+
+    def output_noise(self, grads: Sequence[NoisyGradient]) -> list[float | str]:
+        """Per filtered record ``‖h‖₂/c_t`` (exact while its noise std stays the same; ``"unknown"`` once it
+        changed), 1 for the others (docs: opacus-spectral ``docs/math.md`` §4.2)."""
+        return list(self._gains) if len(self._gains) == len(grads) else ["unknown"] * len(grads)
 
     def _c_at(self, t: int) -> float:
         if t >= len(self._c):
@@ -99,6 +127,7 @@ class DopplerDenoiser(Denoiser):
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(grads)
+        self._gains = [1.0] * len(grads)
         sel = [i for i, g in enumerate(grads) if g.tensor.numel() and self.selects(g.name, g.role)]
         if not sel:
             return out
@@ -108,6 +137,7 @@ class DopplerDenoiser(Denoiser):
         for name, x in zip(names, xs, strict=True):
             if name not in self.t or self.x_hist[name] and self.x_hist[name][0].shape != x.shape:
                 self.t[name] = 0
+                self.sigma[name] = float("nan")
                 self.x_hist[name] = [torch.zeros_like(x) for _ in range(nb)]
                 self.y_hist[name] = [torch.zeros_like(x) for _ in range(na)]
         # m = b0·x + Σ b_τ·x_{t−τ} − Σ a_τ·m_{t−τ}: batched across parameters with foreach kernels
@@ -122,6 +152,11 @@ class DopplerDenoiser(Denoiser):
                 self.x_hist[name] = [xs[j].clone()] + self.x_hist[name][:-1]
             if na:
                 self.y_hist[name] = [m[j]] + self.y_hist[name][:-1]
+            s = float(grads[i].sigma)
+            if self.t[name] == 0:
+                self.sigma[name] = s
+            constant = self.sigma.get(name) == s  # the exact gain assumes one noise std over the history
+            self._gains[i] = self._gain_at(self.t[name]) if constant else "unknown"
             self.t[name] += 1
             out[i] = corrected[j].to(grads[i].tensor.dtype)
         self.diagnostics = {"filtered": len(sel)}
@@ -135,6 +170,7 @@ class DopplerDenoiser(Denoiser):
             "a": self.a,
             "b": self.b,
             "t": dict(self.t),
+            "sigma": dict(self.sigma),
             "x_hist": {k: [x.clone() for x in v] for k, v in self.x_hist.items()},
             "y_hist": {k: [y.clone() for y in v] for k, v in self.y_hist.items()},
         }
@@ -145,5 +181,6 @@ class DopplerDenoiser(Denoiser):
                 f"state was saved with a={state['a']}, b={state['b']}; this filter has a={self.a}, b={self.b}"
             )
         self.t = dict(state["t"])
+        self.sigma = {k: float(v) for k, v in state.get("sigma", {}).items()}
         self.x_hist = {k: [x.clone() for x in v] for k, v in state["x_hist"].items()}
         self.y_hist = {k: [y.clone() for y in v] for k, v in state["y_hist"].items()}
