@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "paired_ci",
     "crossing_step",
     "eps_at_accuracy",
     "fmt",
@@ -16,6 +17,7 @@ __all__ = [
     "global_cos_stats",
     "mean_std",
     "steps_to_reach",
+    "verdict",
 ]
 
 
@@ -99,3 +101,33 @@ def global_cos_stats(per_step: Sequence[dict[str, Any]]) -> dict[str, float]:
         return {"cos_noisy": float("nan"), "cos_denoised": float("nan"), "rel_gain": float("nan")}
     a, b = float(np.nanmean(cg[:, 0])), float(np.nanmean(cg[:, 1]))
     return {"cos_noisy": a, "cos_denoised": b, "rel_gain": (b - a) / abs(a) if a else float("nan")}
+
+
+def paired_ci(diffs: Sequence[float], level: float = 0.95) -> dict[str, Any]:
+    """Mean of paired differences with a two-sided t-interval over seeds: ``{"mean", "lo", "hi", "sd", "n"}``
+    (``lo``/``hi`` are NaN below two pairs)."""
+    from scipy import stats
+
+    a = np.asarray([d for d in diffs if d is not None and math.isfinite(d)], dtype=float)
+    n = int(a.size)
+    if n == 0:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "sd": float("nan"), "n": 0}
+    mean = float(a.mean())
+    if n < 2:
+        return {"mean": mean, "lo": float("nan"), "hi": float("nan"), "sd": float("nan"), "n": 1}
+    sd = float(a.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "sd": sd, "n": n}
+
+
+def verdict(ci: dict[str, Any], claim_low: float, claim_high: float = float("inf")) -> str:
+    """``"reproduced"`` when the CI lies inside the claimed range [low, high], ``"contradicted"`` when it lies
+    entirely outside it, ``"inconclusive"`` otherwise (or without a CI)."""
+    lo, hi = ci["lo"], ci["hi"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "inconclusive"
+    if lo >= claim_low and hi <= claim_high:
+        return "reproduced"
+    if hi < claim_low or lo > claim_high:
+        return "contradicted"
+    return "inconclusive"

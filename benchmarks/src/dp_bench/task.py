@@ -25,7 +25,7 @@ from torch import nn
 from . import data as D
 from .frozen import BertTop, encode_bottom, split_error
 
-__all__ = ["CachedTask", "FrozenTextTask", "frozen_text_task", "minilm_rt", "tiny"]
+__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "fashion_mnist_task", "frozen_text_task", "minilm_rt", "tiny"]
 
 FROZEN_INPUTS = ("inputs_embeds", "attention_mask")
 
@@ -116,6 +116,37 @@ def frozen_text_task(
     split = {s: torch.utils.data.TensorDataset(cached[s], data[s]["attention_mask"], data[s]["label"])
              for s in ("train", "test")}  # fmt: skip
     return FrozenTextTask(base, k, split["train"], split["test"], info)
+
+
+@dataclass
+class ImageTask:
+    """Fashion-MNIST: a training split, a validation split carved from the 60,000 training images (for choosing
+    learning rates — never the test set), and the 10,000 test images."""
+
+    train: torch.utils.data.TensorDataset
+    val: torch.utils.data.TensorDataset
+    test: torch.utils.data.TensorDataset
+    info: dict[str, Any] = field(default_factory=dict)
+
+    input_names = None  #: models take the image tensor positionally
+
+
+def fashion_mnist_task(val_size: int = 5000, split_seed: int = 0, root: str | None = None) -> ImageTask:
+    """Fashion-MNIST with ``val_size`` training images held out (a seeded random split, fixed across runs)."""
+    d = D.load_fashion_mnist(root)
+    x, y = d["train"]
+    if not 0 < val_size < x.shape[0]:
+        raise ValueError(f"val_size must be in (0, {x.shape[0]}), got {val_size}")
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(split_seed))
+    tr, va = perm[val_size:].sort().values, perm[:val_size].sort().values
+    info = {"dataset": "Fashion-MNIST (Debian dataset-fashion-mnist)", "train": len(tr), "val": len(va),
+            "test": int(d["test"][1].shape[0]), "split_seed": split_seed}  # fmt: skip
+    return ImageTask(
+        torch.utils.data.TensorDataset(x[tr], y[tr]),
+        torch.utils.data.TensorDataset(x[va], y[va]),
+        torch.utils.data.TensorDataset(*d["test"]),
+        info,
+    )
 
 
 # ------------------------------------------------------------------------------------------- federated

@@ -14,7 +14,7 @@ classification_metrics`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -96,11 +96,13 @@ def run_dp(
     allow_non_private: bool = False,
     desc: str = "",
     on_step: Callable[[int, dict[str, Any], Any], None] | None = None,
+    eval_sets: Mapping[str, torch.utils.data.Dataset] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + accuracy curve.
 
     ``eval_at``: numbers of completed steps (0 = before training; ``initial_accuracy`` is used there when given)
-    at which test accuracy is measured. ``on_step(step, record, dp_optimizer)`` runs after each logical step
+    at which test accuracy is measured (and the accuracy on each of ``eval_sets``, e.g. a validation split:
+    ``result["curves"][name]``). ``on_step(step, record, dp_optimizer)`` runs after each logical step
     (before the step's evaluation), e.g. to snapshot the clean gradient. Returns ``{"per_step", "curve",
     "epsilon", "train_seconds", "noise_multiplier"}``.
     """
@@ -128,9 +130,17 @@ def run_dp(
     def acc() -> float:
         return evaluate(module, test, input_names, eval_batch)["accuracy"]
 
+    extra = dict(eval_sets or {})
+    curves: dict[str, list[tuple[int, float]]] = {name: [] for name in extra}
+
+    def checkpoint(step: int) -> None:
+        for name, data in extra.items():
+            curves[name].append((step, evaluate(module, data, input_names, eval_batch)["accuracy"]))
+
     curve: list[tuple[int, float]] = []
     if 0 in eval_at:
         curve.append((0, acc() if initial_accuracy is None else initial_accuracy))
+        checkpoint(0)
     log: list[dict[str, Any]] = []
     step, t_train = 0, 0.0
     bar = tqdm(total=steps, desc=desc, unit="step", leave=False, mininterval=2.0)
@@ -157,12 +167,13 @@ def run_dp(
                 bar.update(1)
                 if step in eval_at:
                     curve.append((step, acc()))
+                    checkpoint(step)
                     bar.set_postfix(acc=f"{curve[-1][1]:.3f}")
                 t0 = time.perf_counter()
                 if step >= steps:
                     break
     bar.close()
-    eps = engine.get_epsilon(delta)
+    eps = engine.get_epsilon(delta) if noise_multiplier > 0 else float("inf")  # no noise: no guarantee
     handle.remove()
-    return {"per_step": log, "curve": curve, "epsilon": eps, "train_seconds": t_train,
+    return {"per_step": log, "curve": curve, "curves": curves, "epsilon": eps, "train_seconds": t_train,
             "noise_multiplier": noise_multiplier}  # fmt: skip

@@ -1,0 +1,313 @@
+"""Fashion-MNIST bed: DP-SGD from scratch where the noise costs accuracy; denoisers compared with paired seeds.
+
+    dp-bench fmnist                          # the pre-registered grid of docs/results.md §7 (JSON after every run)
+    dp-bench fmnist --resume                 # continue an interrupted grid
+    dp-bench fmnist --replot                 # tables + docs/results/fmnist.png from the JSON
+    dp-bench fmnist --measure-speed          # ghost clipping vs hooks, per model and batch
+    dp-bench fmnist --smoke --out /tmp/f     # a few steps of everything: checks the plumbing
+
+Protocol (docs/results.md §7, written before the runs):
+
+* Data: Fashion-MNIST (Debian ``dataset-fashion-mnist``), 55,000 training / 5,000 validation images (a fixed
+  seeded split of the 60,000) / 10,000 test images. Models: the MLP 784 → 256 → 10 (tanh) and the tanh CNN of
+  Papernot et al. 2021 (:mod:`dp_bench.vision`).
+* DP-SGD through Opacus (``opacus_spectral.PrivacyEngine``): Poisson sampling with expected batch B, flat
+  clipping C, fast gradient clipping (``grad_sample_mode="ghost"``), the noise multiplier calibrated with the PRV
+  accountant so that the step budget (``--epochs`` passes over the training split) reaches exactly ε at δ = 1e-5
+  (the RDP accountant's ε for the same run is recorded beside it). Non-private (no clipping, no noise) and
+  clipping-only references.
+* Every method of a seed shares the initialization, the Poisson batches and the noise draws (common random
+  numbers: :func:`dp_bench.train.run_dp` reseeds before ``make_private``).
+* Learning rates: per (method, optimizer, B) the value of ``--lr-grid`` with the best final *validation*
+  accuracy at ``--tune-epsilon`` on the tuning seed (not one of the evaluation seeds); never the test set.
+* Metrics: final test accuracy at the budget; steps to reach the no-denoiser baseline's final mean test
+  accuracy (a seed that never reaches it counts as reaching at the budget; the count is reported); the
+  absolute ε a method needs to reach the baseline's mean final accuracy at ``--target-epsilon`` (interpolated
+  in log ε over ``--epsilons``), and the ε saved against the baseline; paired differences with 95 % t-intervals
+  over seeds. Oracle: per step the cosine of the released update to the clean clipped gradient and to the
+  clean gradient's EMA (β = 0.9).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import as_json, command_line, opt, parse_config
+from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..task import ImageTask, fashion_mnist_task
+from ..train import run_dp
+from ..vision import build
+from . import fmnist_report as report
+
+#: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves)
+METHODS: dict[str, tuple[list[Any], float | None]] = {
+    "none": ([], None),
+    "rmt": ([("rmt", {"warn_after": 0})], None),
+    "rmt-tw": ([("rmt", {"gate": "tracy_widom", "norm_correction": "clean_estimate", "warn_after": 0})], None),
+    "rmt-js": ([("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], None),
+    "ema": ([("ema", {"beta": 0.9})], 0.0),
+    "ema+rmt": ([("ema", {"beta": 0.9}), ("rmt", {"warn_after": 0})], 0.0),
+    "ema+rmt-js": ([("ema", {"beta": 0.9}),
+                   ("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], 0.0),
+    "doppler": ([("doppler", {})], 0.0),
+    "rmt+doppler": ([("rmt", {"warn_after": 0}), ("doppler", {})], 0.0),
+    "disk": ([("disk", {})], 0.0),
+}  # fmt: skip
+REFERENCES = ("nonprivate", "clip-only")
+LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
+
+
+@dataclass
+class Config:
+    model: str = opt("mlp", "mlp or cnn", choices=("mlp", "cnn"))
+    methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
+    optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
+    batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
+    epsilons: list[float] = opt([1.0, 3.0, 8.0], "target ε (δ = 1e-5)")
+    references: bool = opt(True, "also run the non-private and the clipping-only references")
+    epochs: float = opt(20.0, "step budget, in passes over the training split")
+    seeds: list[int] = opt([0, 1, 2, 3, 4], "evaluation seeds (paired across methods)")
+    tune_seed: int = opt(100, "seed of the learning-rate runs (not an evaluation seed)")
+    tune_epsilon: float = opt(3.0, "ε of the learning-rate runs")
+    lr_grid_sgd: list[float] = opt(LR_GRIDS["sgd"], "SGD learning rates tried", type=float)
+    lr_grid_adamw: list[float] = opt(LR_GRIDS["adamw"], "AdamW learning rates tried", type=float)
+    lr_grid_nonprivate: list[float] = opt([0.05, 0.1, 0.2, 0.5], "SGD learning rates of the unclipped reference",
+                                          type=float)  # fmt: skip
+    momentum: float = opt(0.9, "SGD momentum (methods holding their own momentum use 0)")
+    max_grad_norm: float = opt(1.0, "clipping bound C")
+    grad_sample_mode: str = opt("ghost", "per-example clipping implementation", choices=("ghost", "hooks"))
+    checkpoints: int = opt(20, "evaluations along the run")
+    target_epsilon: float = opt(3.0, "the baseline's final accuracy at this ε is the target of the ε metric")
+    val_size: int = opt(5000, "validation images carved from the training split")
+    threads: int = opt(2, "torch threads")
+    out: Path = opt(RESULTS, "output folder (fmnist.json, fmnist.png)")
+    name: str = opt("fmnist", "file stem of the outputs")
+    resume: bool = opt(False, "keep the runs already in the JSON")
+    replot: bool = opt(False, "only the tables and the plot from the JSON")
+    measure_speed: bool = opt(False, "only measure ghost clipping vs hooks")
+    smoke: bool = opt(False, "tiny budget (plumbing check)")
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+        if "none" not in self.methods:
+            raise ValueError("--methods must include the baseline 'none'")
+        if self.target_epsilon not in self.epsilons:
+            raise ValueError("--target-epsilon must be one of --epsilons")
+        if self.smoke:
+            self.epochs, self.seeds, self.batches, self.checkpoints = 0.05, [0, 1], [256], 2
+            self.lr_grid_sgd, self.lr_grid_adamw, self.val_size = [1.0, 2.0], [1e-3, 2e-3], 500
+            self.lr_grid_nonprivate = [0.1]
+
+    def lr_grid(self, optimizer: str, method: str) -> list[float]:
+        if method == "nonprivate" and optimizer == "sgd":
+            return self.lr_grid_nonprivate  # unclipped gradients are larger than clipped ones
+        return self.lr_grid_sgd if optimizer == "sgd" else self.lr_grid_adamw
+
+
+def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, seed: int, lr: float) -> str:
+    return f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr{lr:g}"
+
+
+def calibrate(eps: float, q: float, steps: int, delta: float = 1e-5) -> float:
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
+                                      accountant="prv"))  # fmt: skip
+
+
+def rdp_epsilon(nm: float, q: float, steps: int, delta: float = 1e-5) -> float:
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [(nm, q, steps)]
+    return float(acc.get_epsilon(delta))
+
+
+class ReleasedOracle:
+    """Per logical step: cosine of the released update (``p.grad`` after the denoisers) to the clean clipped
+    gradient and to the clean gradient's EMA (β = 0.9) — the oracle of the *update*, not only of the gradient."""
+
+    def __init__(self, every: int = 5) -> None:
+        self.every = every
+        self.ema: list[torch.Tensor] | None = None
+        self.cos: list[tuple[int, float, float]] = []
+
+    def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
+        from opacus_spectral.calibration import clean_scale
+
+        params = [p for p in dp_opt.params if p.grad is not None and getattr(p, "summed_grad", None) is not None]
+        if not params:
+            return
+        scale = clean_scale(dp_opt)
+        clean = [p.summed_grad.detach().reshape(-1) * scale for p in params]
+        if self.ema is None or len(self.ema) != len(clean):
+            self.ema = [c.clone() for c in clean]
+        else:
+            for e, c in zip(self.ema, clean, strict=True):
+                e.mul_(0.9).add_(c, alpha=0.1)
+        if step % self.every:
+            return
+        rel = torch.cat([p.grad.detach().reshape(-1) for p in params]).double()
+        c, e = torch.cat(clean).double(), torch.cat(self.ema).double()
+        cos = [float(rel @ v / (rel.norm() * v.norm()).clamp_min(1e-300)) for v in (c, e)]
+        self.cos.append((step, cos[0], cos[1]))
+
+
+def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: int, eps: float, lr: float, seed: int,
+            steps: int) -> dict[str, Any]:  # fmt: skip
+    """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates)."""
+    n = len(task.train)
+    q = batch / n
+    if method == "nonprivate":
+        hooks, momentum, nm, clip = [], None, 0.0, 1e6
+    elif method == "clip-only":
+        hooks, momentum, nm, clip = [], None, 0.0, cfg.max_grad_norm
+    else:
+        hooks, momentum = METHODS[method]
+        nm, clip = calibrate(eps, q, steps), cfg.max_grad_norm
+    model = build(cfg.model, seed)  # the same initialization for every method of a seed
+    every = max(1, steps // cfg.checkpoints)
+    eval_at = sorted({0, *range(every, steps + 1, every), steps})
+    oracle = ReleasedOracle()
+    t0 = time.perf_counter()
+    r = run_dp(
+        model, task.train, task.test, input_names=None, post_hooks=hooks, noise_multiplier=nm, batch_size=batch,
+        steps=steps, seed=seed, lr=lr, optimizer=optimizer, momentum=cfg.momentum if momentum is None else momentum,
+        max_grad_norm=clip, physical_batch=batch, eval_at=eval_at, eval_batch=2000, oracle=False, per_param=False,
+        grad_sample_mode=cfg.grad_sample_mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
+        on_step=oracle if nm > 0 else None, eval_sets={"val": task.val},
+    )  # fmt: skip
+    gated = [e.get("gated") for e in r["per_step"] if "gated" in e]
+    return {
+        "method": method, "optimizer": optimizer, "batch": batch, "target_epsilon": eps, "lr": lr, "seed": seed,
+        "steps": steps, "noise_multiplier": nm, "sample_rate": q, "epsilon_prv": float(r["epsilon"]) if nm else None,
+        "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None, "test": r["curve"], "val": r["curves"]["val"],
+        "final_test": r["curve"][-1][1], "final_val": r["curves"]["val"][-1][1], "cos": oracle.cos,
+        "gated_per_step": sum(gated) / len(gated) if gated else None, "train_seconds": r["train_seconds"],
+        "wall_seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+
+
+def measure_speed(cfg: Config) -> dict[str, Any]:
+    """Median step time of ghost clipping vs hooks (per-sample gradients), per model and batch, same data."""
+    from opacus_spectral import PrivacyEngine
+
+    task = fashion_mnist_task(cfg.val_size)
+    x, y = task.train.tensors
+    out: dict[str, Any] = {"command": "dp-bench fmnist --measure-speed", "threads": torch.get_num_threads(), "cases": {}}
+    for model_name in ("mlp", "cnn"):
+        for batch in cfg.batches:
+            times = {}
+            for mode in ("hooks", "ghost"):
+                model = build(model_name, 0)
+                data = torch.utils.data.TensorDataset(x[: batch * 4], y[: batch * 4])
+                res = PrivacyEngine(accountant="prv").make_private(
+                    module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    data_loader=torch.utils.data.DataLoader(data, batch_size=batch), noise_multiplier=1.0,
+                    max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode, post_hooks=[],
+                )  # fmt: skip
+                m, dp_opt, dl = res[0], res[1], res[-1]
+                crit = res[2] if len(res) == 4 else nn.CrossEntropyLoss()
+                ts = []
+                for xb, yb in dl:
+                    t0 = time.perf_counter()
+                    dp_opt.zero_grad()
+                    crit(m(xb), yb).backward()
+                    dp_opt.step()
+                    ts.append(time.perf_counter() - t0)
+                times[mode] = sorted(ts)[len(ts) // 2]
+            out["cases"][f"{model_name}|B{batch}"] = {**{f"{k}_s_per_step": v for k, v in times.items()},
+                                                     "speedup_ghost_vs_hooks": times["hooks"] / times["ghost"]}  # fmt: skip
+            print(model_name, batch, out["cases"][f"{model_name}|B{batch}"], flush=True)
+    (cfg.out / f"{cfg.name}_speed.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
+    """(phase, method, optimizer, B, ε, seed): the learning-rate runs first, then seed-major evaluation runs."""
+    methods = [*cfg.methods, *(REFERENCES if cfg.references else ())]
+    tune = [("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers
+            for m in methods]  # fmt: skip
+    evals = []
+    for seed in cfg.seeds:
+        for b in cfg.batches:
+            for o in cfg.optimizers:
+                for m in methods:
+                    for eps in ([math.inf] if m in REFERENCES else cfg.epsilons):
+                        evals.append(("eval", m, o, b, eps, seed))
+    return tune + evals
+
+
+def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    quiet_warnings()
+    torch.set_num_threads(cfg.threads)
+    path = cfg.out / f"{cfg.name}.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
+    if cfg.resume and result.get("config") and {k: v for k, v in result["config"].items() if k not in ("resume",)} != {
+        k: v for k, v in as_json(cfg).items() if k not in ("resume",)
+    }:
+        raise SystemExit(f"--resume: {path} was made with another configuration; use another --name")
+    task = fashion_mnist_task(cfg.val_size)
+    n = len(task.train)
+    result.update({"command": command_line("fmnist", argv), "config": as_json(cfg), "data": task.info,
+                   "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
+    result.setdefault("lr_choice", {})
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc="fmnist grid", unit="cell"):
+        steps = max(1, round(cfg.epochs * n / batch))
+        cell = f"{method}|{optimizer}|B{batch}"
+        if phase == "tune":
+            lrs = cfg.lr_grid(optimizer, method)
+        else:
+            lrs = [result["lr_choice"][cell]["lr"]]
+        for lr in lrs:
+            key = run_key(phase, method, optimizer, batch, eps, seed, lr)
+            if key in result["runs"]:
+                continue
+            result["runs"][key] = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, steps)
+            rec = result["runs"][key]
+            tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
+                       f"({rec['wall_seconds']:.0f}s)")  # fmt: skip
+            result["wall_seconds"] = result.get("wall_seconds", 0.0) + rec["wall_seconds"]
+            path.write_text(json.dumps(result, default=float))
+        if phase == "tune":
+            tried = {lr: result["runs"][run_key(phase, method, optimizer, batch, eps, seed, lr)]["final_val"]
+                     for lr in lrs}  # fmt: skip
+            best = max(tried, key=lambda lr: (tried[lr], -lr))
+            result["lr_choice"][cell] = {"lr": best, "val": tried}
+    result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
+    result["analysis"] = report.analyze(result)
+    path.write_text(json.dumps(result, default=float))
+    report.plot(result, cfg.out / f"{cfg.name}.png")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(Config, argv, prog="dp-bench fmnist", description=__doc__.split("\n")[0])
+    if cfg.measure_speed:
+        torch.set_num_threads(cfg.threads)
+        return measure_speed(cfg)
+    if cfg.replot:
+        path = cfg.out / f"{cfg.name}.json"
+        result = json.loads(path.read_text())
+        result["analysis"] = report.analyze(result)
+        path.write_text(json.dumps(result, default=float))
+        report.plot(result, cfg.out / f"{cfg.name}.png")
+    else:
+        result = run(cfg, argv)
+    print(report.tables(result))
+    return result

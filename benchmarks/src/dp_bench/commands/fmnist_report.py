@@ -1,0 +1,189 @@
+"""Tables, paired statistics and the plot of the Fashion-MNIST bed (``dp-bench fmnist``), from its JSON only."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..analysis import crossing_step, eps_at_accuracy, mean_std, paired_ci
+
+BASELINE = "none"
+
+
+def _evals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for k, r in result["runs"].items() if k.startswith("eval|")]
+
+
+def analyze(result: dict[str, Any]) -> dict[str, Any]:
+    """Per (optimizer, B, ε, method): final test accuracy (mean ± sample s.d.), the paired difference to the
+    no-denoiser baseline with its 95 % t-interval, steps to reach the baseline's final mean accuracy; per
+    (optimizer, B, method): the absolute ε needed to reach the baseline's final mean accuracy at the target ε,
+    and the paired ε saved."""
+    cfg = result["config"]
+    by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]] = defaultdict(dict)
+    for r in _evals(result):
+        eps = r["target_epsilon"]
+        by[(r["optimizer"], r["batch"], float("inf") if eps in (None, math.inf) else eps, r["method"])][r["seed"]] = r
+    cells: dict[str, Any] = {}
+    for (o, b, e, m), seeds in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] != BASELINE)):
+        base = by.get((o, b, e, BASELINE), {})
+        finals = [r["final_test"] for r in seeds.values()]
+        entry: dict[str, Any] = {"optimizer": o, "batch": b, "epsilon": e, "method": m, "seeds": sorted(seeds),
+                                 "final_test": mean_std(finals), "lr": next(iter(seeds.values()))["lr"]}  # fmt: skip
+        if m != BASELINE and base:
+            common = sorted(set(seeds) & set(base))
+            entry["diff_vs_none"] = paired_ci([seeds[s]["final_test"] - base[s]["final_test"] for s in common])
+            target = float(np.mean([base[s]["final_test"] for s in common]))
+            steps, never = [], 0
+            for s in common:
+                t = crossing_step(seeds[s]["test"], target)
+                if t is None:
+                    never += 1
+                    t = float(seeds[s]["steps"])
+                steps.append(t)
+            base_steps = [crossing_step(base[s]["test"], target) or float(base[s]["steps"]) for s in common]
+            entry["steps_to_baseline"] = {"mean": float(np.mean(steps)), "never_reached": never,
+                                          "budget": seeds[common[0]]["steps"],
+                                          "diff_vs_none": paired_ci([a - c for a, c in zip(steps, base_steps, strict=True)])}  # fmt: skip
+        cos = [np.mean([c[1] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
+        cos_ema = [np.mean([c[2] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
+        if cos:
+            entry["cos_released_clean_2nd_half"] = mean_std(cos)
+            entry["cos_released_clean_ema_2nd_half"] = mean_std(cos_ema)
+        gated = [r["gated_per_step"] for r in seeds.values() if r.get("gated_per_step") is not None]
+        if gated:
+            entry["gated_per_step"] = float(np.mean(gated))
+        eps_rdp = [r["epsilon_rdp"] for r in seeds.values() if r.get("epsilon_rdp")]
+        if eps_rdp:
+            entry["epsilon_prv"] = float(np.mean([r["epsilon_prv"] for r in seeds.values()]))
+            entry["epsilon_rdp"] = float(np.mean(eps_rdp))
+        cells[f"{o}|B{b}|eps{e:g}|{m}"] = entry
+    eps_cells = _eps_to_target(by, cfg)
+    return {"cells": cells, "epsilon_to_target": eps_cells}
+
+
+def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]], cfg: dict[str, Any]
+                   ) -> dict[str, Any]:  # fmt: skip
+    """ε each method needs (per seed, log-ε interpolation of its final accuracy over the ε grid) to reach the
+    baseline's mean final accuracy at the target ε; ε saved = the baseline's ε − the method's (paired)."""
+    out: dict[str, Any] = {}
+    eps_grid = sorted(cfg["epsilons"])
+    target_eps = cfg["target_epsilon"]
+    for (o, b, e, m) in list(by):
+        if e != target_eps:
+            continue
+        base = by.get((o, b, target_eps, BASELINE), {})
+        if not base:
+            continue
+        target = float(np.mean([r["final_test"] for r in base.values()]))
+
+        def needed(method: str, seed: int) -> float | None:
+            pts = [(eg, by[(o, b, eg, method)][seed]["final_test"]) for eg in eps_grid
+                   if seed in by.get((o, b, eg, method), {})]  # fmt: skip
+            value, _ = eps_at_accuracy(pts, target)
+            return value
+
+        seeds = sorted(set(by[(o, b, target_eps, m)]) & set(base))
+        mine = [needed(m, s) for s in seeds]
+        theirs = [needed(BASELINE, s) for s in seeds]
+        saved = [t - x for x, t in zip(mine, theirs, strict=True) if x is not None and t is not None]
+        out[f"{o}|B{b}|{m}"] = {"target_accuracy": target, "epsilon_needed": mine, "epsilon_saved": paired_ci(saved),
+                                "out_of_range": sum(x is None for x in mine)}  # fmt: skip
+    return out
+
+
+def _fmt_ci(ci: dict[str, Any], scale: float = 100.0, unit: str = "") -> str:
+    if not ci or ci.get("n", 0) == 0 or not math.isfinite(ci["mean"]):
+        return "–"
+    if not math.isfinite(ci["lo"]):
+        return f"{scale * ci['mean']:+.2f}{unit} (n={ci['n']})"
+    return f"{scale * ci['mean']:+.2f} [{scale * ci['lo']:+.2f}, {scale * ci['hi']:+.2f}]{unit}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    an = result.get("analysis") or analyze(result)
+    lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | steps to none's "
+             "final acc (never) | cos(released, clean) 2nd half | gated/step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in an["cells"].values():
+        fin = c["final_test"]
+        st = c.get("steps_to_baseline")
+        steps = f"{st['mean']:.0f}/{st['budget']} ({st['never_reached']})" if st else "–"
+        cos = c.get("cos_released_clean_2nd_half")
+        cos_txt = "–" if not cos else f"{cos[0]:.3f}"
+        gated = c.get("gated_per_step")
+        gated_txt = "–" if gated is None else f"{gated:.2f}"
+        lines.append(
+            f"| {c['optimizer']} | {c['batch']} | {c['epsilon']:g} | {c['method']} | {c['lr']:g} | "
+            f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | "
+            f"{cos_txt} | {gated_txt} |"
+        )
+    lines += ["", "| opt | B | method | target acc | ε needed (per seed) | ε saved vs none [95 % CI] |", "|---|---|---|---|---|---|"]
+    for k, v in an["epsilon_to_target"].items():
+        o, b, m = k.split("|")
+        need = ", ".join("–" if x is None else f"{x:.2f}" for x in v["epsilon_needed"])
+        lines.append(f"| {o} | {b[1:]} | {m} | {100 * v['target_accuracy']:.2f} | {need} | "
+                     f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Test accuracy vs step (mean ± sample s.d. over seeds) at each (optimizer, B) for the target ε, and final
+    accuracy vs ε per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result["config"]
+    evals = _evals(result)
+    combos = sorted({(r["optimizer"], r["batch"]) for r in evals})
+    if not combos:
+        return
+    methods = list(dict.fromkeys(r["method"] for r in evals))
+    colors = {m: plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10] for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(2, len(combos), figsize=(5.5 * len(combos), 8), squeeze=False)
+    for j, (o, b) in enumerate(combos):
+        ax = axes[0][j]
+        for m in methods:
+            rs = [r for r in evals if (r["optimizer"], r["batch"], r["method"]) == (o, b, m)
+                  and r["target_epsilon"] in (cfg["target_epsilon"], None, math.inf)]  # fmt: skip
+            if not rs:
+                continue
+            xs = [s for s, _ in rs[0]["test"]]
+            ys = np.array([[a for _, a in r["test"]] for r in rs if len(r["test"]) == len(xs)])
+            mu = ys.mean(0)
+            sd = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mu)
+            ax.plot(xs, mu, color=colors[m], label=f"{m} (n={len(ys)})")
+            ax.fill_between(xs, mu - sd, mu + sd, color=colors[m], alpha=0.15)
+        ax.set_title(f"{cfg['model']}, {o}, B = {b}, ε = {cfg['target_epsilon']:g}", fontsize=10)
+        ax.set_xlabel("logical DP step")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        ax = axes[1][j]
+        for m in methods:
+            pts = defaultdict(list)
+            for r in evals:
+                if (r["optimizer"], r["batch"], r["method"]) == (o, b, m) and r["target_epsilon"] not in (None, math.inf):
+                    pts[r["target_epsilon"]].append(r["final_test"])
+            if pts:
+                es = sorted(pts)
+                mu = [np.mean(pts[e]) for e in es]
+                sd = [np.std(pts[e], ddof=1) if len(pts[e]) > 1 else 0.0 for e in es]
+                ax.errorbar(es, mu, yerr=sd, marker="o", color=colors[m], label=m, capsize=3)
+        ax.set_xscale("log")
+        ax.set_xlabel("ε (δ = 1e-5, PRV)")
+        ax.set_ylabel("final test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Fashion-MNIST, {cfg['model']}, {cfg['epochs']:g} epochs, C = {cfg['max_grad_norm']}, "
+                 f"seeds {cfg['seeds']} (bands: sample s.d.)", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
