@@ -97,14 +97,16 @@ def run_dp(
     desc: str = "",
     on_step: Callable[[int, dict[str, Any], Any], None] | None = None,
     eval_sets: Mapping[str, torch.utils.data.Dataset] | None = None,
+    gradient: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + accuracy curve.
 
     ``eval_at``: numbers of completed steps (0 = before training; ``initial_accuracy`` is used there when given)
     at which test accuracy is measured (and the accuracy on each of ``eval_sets``, e.g. a validation split:
     ``result["curves"][name]``). ``on_step(step, record, dp_optimizer)`` runs after each logical step
-    (before the step's evaluation), e.g. to snapshot the clean gradient. Returns ``{"per_step", "curve",
-    "epsilon", "train_seconds", "noise_multiplier"}``.
+    (before the step's evaluation), e.g. to snapshot the clean gradient. ``gradient(wrapped_model)`` builds an
+    object whose ``backward(loss_fn)`` replaces ``loss.backward()`` (e.g. DiSK's two-point gradient). Returns
+    ``{"per_step", "curve", "epsilon", "train_seconds", "noise_multiplier"}``.
     """
     from opacus.utils.batch_memory_manager import BatchMemoryManager
     from tqdm.auto import tqdm
@@ -126,6 +128,7 @@ def run_dp(
     module, dp_opt, dp_loader = out[0], out[1], out[-1]
     criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
     handle = engine.post_hooks
+    backward = gradient(module).backward if gradient is not None else None
 
     def acc() -> float:
         return evaluate(module, test, input_names, eval_batch)["accuracy"]
@@ -150,9 +153,16 @@ def run_dp(
                                 optimizer=dp_opt) as mem_loader:  # fmt: skip
             for *inputs, y in mem_loader:
                 dp_opt.zero_grad(set_to_none=True)
-                logits = module(**dict(zip(input_names, inputs, strict=True))) if input_names else module(*inputs)
-                loss = criterion(getattr(logits, "logits", logits), y)
-                loss.backward()
+
+                def loss_fn(inputs: list[torch.Tensor] = inputs, y: torch.Tensor = y) -> torch.Tensor:
+                    logits = module(**dict(zip(input_names, inputs, strict=True))) if input_names else module(*inputs)
+                    return criterion(getattr(logits, "logits", logits), y)
+
+                if backward is None:
+                    loss = loss_fn()
+                    loss.backward()
+                else:
+                    loss = backward(loss_fn)
                 dp_opt.step()
                 if handle.logical_steps == step:  # a virtual (accumulation) step of BatchMemoryManager
                     continue

@@ -48,7 +48,8 @@ from ..train import run_dp
 from ..vision import build
 from . import fmnist_report as report
 
-#: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves)
+#: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk" also
+#: needs DiSK's two-point gradient in the loop (per-sample gradients: hooks mode)
 METHODS: dict[str, tuple[list[Any], float | None]] = {
     "none": ([], None),
     "rmt": ([("rmt", {"warn_after": 0})], None),
@@ -60,7 +61,7 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
                    ("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], 0.0),
     "doppler": ([("doppler", {})], 0.0),
     "rmt+doppler": ([("rmt", {"warn_after": 0}), ("doppler", {})], 0.0),
-    "disk": ([("disk", {})], 0.0),
+    "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }  # fmt: skip
 REFERENCES = ("nonprivate", "clip-only")
 LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
@@ -177,6 +178,11 @@ def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: in
         hooks, momentum = METHODS[method]
         nm, clip = calibrate(eps, q, steps), cfg.max_grad_norm
     model = build(cfg.model, seed)  # the same initialization for every method of a seed
+    gradient, mode = None, cfg.grad_sample_mode
+    if method == "disk":
+        from opacus_spectral_disk import DiskGradient
+
+        gradient, mode = (lambda m: DiskGradient(m, kappa=0.7, gamma=0.5)), "hooks"
     every = max(1, steps // cfg.checkpoints)
     eval_at = sorted({0, *range(every, steps + 1, every), steps})
     oracle = ReleasedOracle()
@@ -185,8 +191,8 @@ def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: in
         model, task.train, task.test, input_names=None, post_hooks=hooks, noise_multiplier=nm, batch_size=batch,
         steps=steps, seed=seed, lr=lr, optimizer=optimizer, momentum=cfg.momentum if momentum is None else momentum,
         max_grad_norm=clip, physical_batch=batch, eval_at=eval_at, eval_batch=2000, oracle=False, per_param=False,
-        grad_sample_mode=cfg.grad_sample_mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
-        on_step=oracle if nm > 0 else None, eval_sets={"val": task.val},
+        grad_sample_mode=mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
+        on_step=oracle if nm > 0 else None, eval_sets={"val": task.val}, gradient=gradient,
     )  # fmt: skip
     gated = [e.get("gated") for e in r["per_step"] if "gated" in e]
     return {
@@ -199,13 +205,35 @@ def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: in
     }  # fmt: skip
 
 
+def _choose_lr(result: dict[str, Any], cfg: Config, phase: str, method: str, optimizer: str, batch: int, eps: float,
+               seed: int, max_extensions: int = 3) -> list[float]:  # fmt: skip
+    """Pick the learning rate with the best final validation accuracy among those run; when it lies at an end of
+    what was tried, return the next value outward (a factor 2; at most ``max_extensions`` times) to try first."""
+    prefix = f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
+    tried = {float(k[len(prefix):]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
+    best = max(tried, key=lambda lr: (tried[lr], -lr))
+    base = cfg.lr_grid(optimizer, method)
+    lo, hi = min(tried), max(tried)
+    extensions = sum(1 for lr in tried if lr < min(base) or lr > max(base))
+    result["lr_choice"][f"{method}|{optimizer}|B{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
+    if extensions >= max_extensions or len(tried) < 2:
+        return []
+    if best == lo:
+        return [lo / 2]
+    if best == hi:
+        return [hi * 2]
+    return []
+
+
 def measure_speed(cfg: Config) -> dict[str, Any]:
     """Median step time of ghost clipping vs hooks (per-sample gradients), per model and batch, same data."""
     from opacus_spectral import PrivacyEngine
 
     task = fashion_mnist_task(cfg.val_size)
     x, y = task.train.tensors
-    out: dict[str, Any] = {"command": "dp-bench fmnist --measure-speed", "threads": torch.get_num_threads(), "cases": {}}
+    out: dict[str, Any] = {
+        "command": "dp-bench fmnist --measure-speed", "threads": torch.get_num_threads(), "cases": {},
+    }
     for model_name in ("mlp", "cnn"):
         for batch in cfg.batches:
             times = {}
@@ -227,8 +255,9 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
                     dp_opt.step()
                     ts.append(time.perf_counter() - t0)
                 times[mode] = sorted(ts)[len(ts) // 2]
-            out["cases"][f"{model_name}|B{batch}"] = {**{f"{k}_s_per_step": v for k, v in times.items()},
-                                                     "speedup_ghost_vs_hooks": times["hooks"] / times["ghost"]}  # fmt: skip
+            case = {f"{k}_s_per_step": v for k, v in times.items()}
+            case["speedup_ghost_vs_hooks"] = times["hooks"] / times["ghost"]
+            out["cases"][f"{model_name}|B{batch}"] = case
             print(model_name, batch, out["cases"][f"{model_name}|B{batch}"], flush=True)
     (cfg.out / f"{cfg.name}_speed.json").write_text(json.dumps(out, indent=1))
     return out
@@ -270,25 +299,19 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc="fmnist grid", unit="cell"):
         steps = max(1, round(cfg.epochs * n / batch))
         cell = f"{method}|{optimizer}|B{batch}"
-        if phase == "tune":
-            lrs = cfg.lr_grid(optimizer, method)
-        else:
-            lrs = [result["lr_choice"][cell]["lr"]]
-        for lr in lrs:
-            key = run_key(phase, method, optimizer, batch, eps, seed, lr)
-            if key in result["runs"]:
-                continue
-            result["runs"][key] = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, steps)
-            rec = result["runs"][key]
-            tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
-                       f"({rec['wall_seconds']:.0f}s)")  # fmt: skip
-            result["wall_seconds"] = result.get("wall_seconds", 0.0) + rec["wall_seconds"]
-            path.write_text(json.dumps(result, default=float))
-        if phase == "tune":
-            tried = {lr: result["runs"][run_key(phase, method, optimizer, batch, eps, seed, lr)]["final_val"]
-                     for lr in lrs}  # fmt: skip
-            best = max(tried, key=lambda lr: (tried[lr], -lr))
-            result["lr_choice"][cell] = {"lr": best, "val": tried}
+        lrs = list(cfg.lr_grid(optimizer, method)) if phase == "tune" else [result["lr_choice"][cell]["lr"]]
+        while lrs:
+            for lr in lrs:
+                key = run_key(phase, method, optimizer, batch, eps, seed, lr)
+                if key in result["runs"]:
+                    continue
+                result["runs"][key] = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, steps)
+                rec = result["runs"][key]
+                tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
+                           f"({rec['wall_seconds']:.0f}s)")  # fmt: skip
+                result["wall_seconds"] = result.get("wall_seconds", 0.0) + rec["wall_seconds"]
+                path.write_text(json.dumps(result, default=float))
+            lrs = _choose_lr(result, cfg, phase, method, optimizer, batch, eps, seed) if phase == "tune" else []
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
     result["analysis"] = report.analyze(result)
     path.write_text(json.dumps(result, default=float))

@@ -46,9 +46,11 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
                     t = float(seeds[s]["steps"])
                 steps.append(t)
             base_steps = [crossing_step(base[s]["test"], target) or float(base[s]["steps"]) for s in common]
-            entry["steps_to_baseline"] = {"mean": float(np.mean(steps)), "never_reached": never,
-                                          "budget": seeds[common[0]]["steps"],
-                                          "diff_vs_none": paired_ci([a - c for a, c in zip(steps, base_steps, strict=True)])}  # fmt: skip
+            diffs = [a - c for a, c in zip(steps, base_steps, strict=True)]
+            entry["steps_to_baseline"] = {
+                "mean": float(np.mean(steps)), "never_reached": never,
+                "budget": seeds[common[0]]["steps"], "diff_vs_none": paired_ci(diffs),
+            }
         cos = [np.mean([c[1] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
         cos_ema = [np.mean([c[2] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
         if cos:
@@ -81,7 +83,7 @@ def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any
             continue
         target = float(np.mean([r["final_test"] for r in base.values()]))
 
-        def needed(method: str, seed: int) -> float | None:
+        def needed(method: str, seed: int, o: str = o, b: int = b, target: float = target) -> float | None:
             pts = [(eg, by[(o, b, eg, method)][seed]["final_test"]) for eg in eps_grid
                    if seed in by.get((o, b, eg, method), {})]  # fmt: skip
             value, _ = eps_at_accuracy(pts, target)
@@ -122,7 +124,11 @@ def tables(result: dict[str, Any]) -> str:
             f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | "
             f"{cos_txt} | {gated_txt} |"
         )
-    lines += ["", "| opt | B | method | target acc | ε needed (per seed) | ε saved vs none [95 % CI] |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| opt | B | method | target acc | ε needed (per seed) | ε saved vs none [95 % CI] |",
+        "|---|---|---|---|---|---|",
+    ]
     for k, v in an["epsilon_to_target"].items():
         o, b, m = k.split("|")
         need = ", ".join("–" if x is None else f"{x:.2f}" for x in v["epsilon_needed"])
@@ -169,7 +175,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for m in methods:
             pts = defaultdict(list)
             for r in evals:
-                if (r["optimizer"], r["batch"], r["method"]) == (o, b, m) and r["target_epsilon"] not in (None, math.inf):
+                same = (r["optimizer"], r["batch"], r["method"]) == (o, b, m)
+                if same and r["target_epsilon"] not in (None, math.inf):
                     pts[r["target_epsilon"]].append(r["final_test"])
             if pts:
                 es = sorted(pts)

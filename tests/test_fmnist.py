@@ -1,0 +1,100 @@
+"""The Fashion-MNIST bed: the IDX reader (on files written here), the missing-package error, the real Debian
+package when installed (required under PEFT_LALORA_REQUIRE_DATA=1), and a smoke run of ``dp-bench fmnist`` on a
+small synthetic copy of the dataset (tuning + paired evaluation + report)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+from dp_bench import data as D  # noqa: E402
+from dp_bench.data import images  # noqa: E402
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """IDX: magic (0, 0, dtype 0x08 = ubyte, ndim), one big-endian uint32 per dimension, then the bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def synthetic_fmnist(root: Path, n_train: int = 1200, n_test: int = 300, seed: int = 0) -> Path:
+    """Ten classes, each a bright 7 × 7 block at its own place plus noise: learnable in a few steps."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        y = rng.integers(0, 10, size=n).astype(np.uint8)
+        x = rng.integers(0, 60, size=(n, 28, 28)).astype(np.uint8)
+        for i, c in enumerate(y):
+            r, col = divmod(int(c), 4)
+            x[i, 7 * r : 7 * r + 7, 7 * col : 7 * col + 7] = 255
+        write_idx(root / f"{split}-images-idx3-ubyte.gz", x)
+        write_idx(root / f"{split}-labels-idx1-ubyte.gz", y)
+    return root
+
+
+def test_read_idx_round_trip_and_rejects_corrupt_files(tmp_path: Path) -> None:
+    a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / "a.gz", a)
+    np.testing.assert_array_equal(images.read_idx(tmp_path / "a.gz"), a)
+    with gzip.open(tmp_path / "short.gz", "wb") as f:  # header says 2×3×4, body has 5 bytes
+        f.write(struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">3I", 2, 3, 4) + bytes(5))
+    with pytest.raises(ValueError, match="bytes for shape"):
+        images.read_idx(tmp_path / "short.gz")
+    with gzip.open(tmp_path / "float.gz", "wb") as f:  # dtype 0x0D (float32) is not what the loader parses
+        f.write(struct.pack(">BBBB", 0, 0, 0x0D, 1) + struct.pack(">I", 1) + bytes(4))
+    with pytest.raises(ValueError, match="unsigned-byte"):
+        images.read_idx(tmp_path / "float.gz")
+
+
+def test_loader_scales_and_pairs_and_names_the_package_when_missing(tmp_path: Path) -> None:
+    d = D.load_fashion_mnist(synthetic_fmnist(tmp_path, n_train=40, n_test=20))
+    x, y = d["train"]
+    assert x.shape == (40, 1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert float(x.max()) == 1.0 and float(x.min()) >= 0.0
+    assert d["test"][0].shape[0] == 20
+    with pytest.raises(D.DataUnavailableError, match="apt-get install dataset-fashion-mnist"):
+        D.load_fashion_mnist(tmp_path / "nowhere")
+
+
+def test_real_debian_package_has_the_published_sizes() -> None:
+    if not (images.DEFAULT_ROOT / images.FILES["train"][0]).is_file():
+        msg = f"dataset-fashion-mnist not installed ({images.DEFAULT_ROOT})"
+        if os.environ.get("PEFT_LALORA_REQUIRE_DATA") == "1":
+            pytest.fail(msg + " but PEFT_LALORA_REQUIRE_DATA=1 (.ci/run installs it as root)")
+        pytest.skip(msg)
+    d = D.load_fashion_mnist(images.DEFAULT_ROOT)
+    assert d["train"][0].shape == (60000, 1, 28, 28) and d["test"][0].shape == (10000, 1, 28, 28)
+    counts = torch.bincount(d["train"][1], minlength=10)
+    assert counts.tolist() == [6000] * 10  # the dataset is balanced: 6,000 per class
+
+
+def test_fmnist_command_smoke_runs_every_method_and_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dp_bench.commands import fmnist
+
+    monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
+    methods = ["none", "rmt"]
+    out = fmnist.main(["--smoke", "--methods", *methods, "--epsilons", "1", "3", "--out", str(tmp_path),
+                       "--name", "s", "--no-references"])  # fmt: skip
+    saved = json.loads((tmp_path / "s.json").read_text())
+    evals = [r for k, r in saved["runs"].items() if k.startswith("eval|")]
+    assert any(k.startswith("tune|") for k in saved["runs"])  # lr chosen on validation runs first
+    assert {r["method"] for r in evals} == set(methods)
+    assert {r["seed"] for r in evals} == {0, 1}
+    for r in evals:  # every ε printed comes from the PRV accountant and sits at (or under) its target
+        assert 0 < r["epsilon_prv"] <= r["target_epsilon"] * 1.001
+        assert 0.0 <= r["final_test"] <= 1.0
+    # the same seed gives every method the same initial model and batches: step-0 accuracy is shared
+    first = {(r["method"], r["seed"], r["target_epsilon"]): r["test"][0][1] for r in evals}
+    for (_method, s, e), acc in first.items():
+        assert acc == first[("none", s, e)]
+    assert (tmp_path / "s.png").is_file()
+    assert out["analysis"]
