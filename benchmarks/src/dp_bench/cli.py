@@ -16,7 +16,7 @@ COMMANDS = {
     "overhead": "dp_bench.commands.overhead",
     "noise-std": "dp_bench.commands.noise_std",
     "isolation-cost": "dp_bench.commands.isolation_cost",
-    "fmnist": "dp_bench.commands.fmnist",
+    "grid": "dp_bench.commands.grid",
 }
 
 

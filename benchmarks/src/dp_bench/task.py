@@ -25,7 +25,8 @@ from torch import nn
 from . import data as D
 from .frozen import BertTop, encode_bottom, split_error
 
-__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "fashion_mnist_task", "frozen_text_task", "minilm_rt", "tiny"]
+__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "carve_validation", "fashion_mnist_task", "frozen_text_task",
+           "minilm_rt", "tiny"]  # fmt: skip
 
 FROZEN_INPUTS = ("inputs_embeds", "attention_mask")
 
@@ -40,6 +41,7 @@ class FrozenTextTask:
     train: torch.utils.data.TensorDataset  #: (hidden, mask, label)
     test: torch.utils.data.TensorDataset
     info: dict[str, Any] = field(default_factory=dict)
+    val: torch.utils.data.TensorDataset | None = None  #: carved from the training split when ``val_size > 0``
 
     input_names = FROZEN_INPUTS
 
@@ -81,11 +83,13 @@ def frozen_text_task(
     tiny_test: int = 256,
     eval_batch: int = 512,
     use_disk: bool = True,
+    val_size: int = 0,
 ) -> FrozenTextTask:
     """The task with the bottom ``n_layers - top_layers`` encoder layers cached.
 
     ``seed`` is the data split's and the fresh head's seed (the benchmarks use 0 for every training seed:
-    training seeds change the adapter initialization, the Poisson batches and the noise).
+    training seeds change the adapter initialization, the Poisson batches and the noise). ``val_size > 0``
+    carves a validation split from the training split (:func:`carve_validation`, for choosing learning rates).
     """
     base, data, info = text_splits(model, max_length, seed, tiny_train=tiny_train, tiny_test=tiny_test)
     base.eval()
@@ -115,7 +119,23 @@ def frozen_text_task(
     info = dict(info, cache=str(path) if disk else None, split_check=cached["split_check"])
     split = {s: torch.utils.data.TensorDataset(cached[s], data[s]["attention_mask"], data[s]["label"])
              for s in ("train", "test")}  # fmt: skip
-    return FrozenTextTask(base, k, split["train"], split["test"], info)
+    train, val = split["train"], None
+    if val_size:
+        train, val = carve_validation(train, val_size, split_seed=seed)
+        info = dict(info, val=len(val))
+    return FrozenTextTask(base, k, train, split["test"], dict(info, train=len(train), test=len(split["test"])), val)
+
+
+def carve_validation(data: torch.utils.data.TensorDataset, val_size: int, split_seed: int = 0,
+                     ) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:  # fmt: skip
+    """(train, validation): ``val_size`` examples drawn by a seeded permutation, both kept in their original order."""
+    n = len(data)
+    if not 0 < val_size < n:
+        raise ValueError(f"val_size must be in (0, {n}), got {val_size}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))
+    tr, va = perm[val_size:].sort().values, perm[:val_size].sort().values
+    return (torch.utils.data.TensorDataset(*(t[tr] for t in data.tensors)),
+            torch.utils.data.TensorDataset(*(t[va] for t in data.tensors)))  # fmt: skip
 
 
 @dataclass
@@ -134,19 +154,10 @@ class ImageTask:
 def fashion_mnist_task(val_size: int = 5000, split_seed: int = 0, root: str | None = None) -> ImageTask:
     """Fashion-MNIST with ``val_size`` training images held out (a seeded random split, fixed across runs)."""
     d = D.load_fashion_mnist(root)
-    x, y = d["train"]
-    if not 0 < val_size < x.shape[0]:
-        raise ValueError(f"val_size must be in (0, {x.shape[0]}), got {val_size}")
-    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(split_seed))
-    tr, va = perm[val_size:].sort().values, perm[:val_size].sort().values
-    info = {"dataset": "Fashion-MNIST (Debian dataset-fashion-mnist)", "train": len(tr), "val": len(va),
+    train, val = carve_validation(torch.utils.data.TensorDataset(*d["train"]), val_size, split_seed)
+    info = {"dataset": "Fashion-MNIST (Debian dataset-fashion-mnist)", "train": len(train), "val": len(val),
             "test": int(d["test"][1].shape[0]), "split_seed": split_seed}  # fmt: skip
-    return ImageTask(
-        torch.utils.data.TensorDataset(x[tr], y[tr]),
-        torch.utils.data.TensorDataset(x[va], y[va]),
-        torch.utils.data.TensorDataset(*d["test"]),
-        info,
-    )
+    return ImageTask(train, val, torch.utils.data.TensorDataset(*d["test"]), info)
 
 
 # ------------------------------------------------------------------------------------------- federated

@@ -1,25 +1,31 @@
-"""Fashion-MNIST bed: DP-SGD from scratch where the noise costs accuracy; denoisers compared with paired seeds.
+"""Paired-seed grid on a bed: DP training where the noise costs accuracy; denoisers compared with paired seeds.
 
-    dp-bench fmnist                          # the pre-registered grid of docs/results.md §7 (JSON after every run)
-    dp-bench fmnist --resume                 # continue an interrupted grid
-    dp-bench fmnist --replot                 # tables + docs/results/fmnist.png from the JSON
-    dp-bench fmnist --measure-speed          # ghost clipping vs hooks, per model and batch
-    dp-bench fmnist --smoke --out /tmp/f     # a few steps of everything: checks the plumbing
+    dp-bench grid --name fmnist_a --epochs 30     # grid A of docs/results.md §7 (JSON after every run)
+    dp-bench grid --name fmnist_a --resume        # continue an interrupted grid
+    dp-bench grid --name fmnist_a --replot        # tables + docs/results/fmnist_a.png from the JSON
+    dp-bench grid --measure-speed                 # ghost clipping vs hooks, per model and batch
+    dp-bench grid --model minilm --name rt ...    # Rotten Tomatoes (DP-LoRA on MiniLM), same protocol (§8)
+    dp-bench grid --smoke --out /tmp/f            # a few steps of everything: checks the plumbing
+
+Beds (``--model``): ``mlp`` / ``cnn`` on Fashion-MNIST (:func:`dp_bench.task.fashion_mnist_task`: Debian
+``dataset-fashion-mnist``, 55,000 training / 5,000 validation images, a fixed seeded split of the 60,000, and the
+10,000 test images; the MLP 784 → 256 → 10 (tanh) and the tanh CNN of Papernot et al. 2021,
+:mod:`dp_bench.vision`), and ``minilm``: all-MiniLM-L6-v2 on packaged Rotten Tomatoes with LoRA
+(``--trainable``) on the top encoder layer and a fresh head, the bottom layers cached exactly
+(:func:`dp_bench.task.frozen_text_task`, a validation split carved from its training split).
 
 Protocol (docs/results.md §7, written before the runs):
 
-* Data: Fashion-MNIST (Debian ``dataset-fashion-mnist``), 55,000 training / 5,000 validation images (a fixed
-  seeded split of the 60,000) / 10,000 test images. Models: the MLP 784 → 256 → 10 (tanh) and the tanh CNN of
-  Papernot et al. 2021 (:mod:`dp_bench.vision`).
 * DP-SGD through Opacus (``opacus_spectral.PrivacyEngine``): Poisson sampling with expected batch B, flat
-  clipping C, fast gradient clipping (``grad_sample_mode="ghost"``), the noise multiplier calibrated with the PRV
-  accountant so that the step budget (``--epochs`` passes over the training split) reaches exactly ε at δ = 1e-5
-  (the RDP accountant's ε for the same run is recorded beside it). Non-private (no clipping, no noise) and
-  clipping-only references.
+  clipping C, per-example clipping ``--grad-sample-mode``, the noise multiplier calibrated with the PRV
+  accountant so that the step budget (``--epochs`` passes over the training split, or ``--steps``) reaches
+  exactly ε at δ = 1e-5 (the RDP accountant's ε for the same run is recorded beside it). Non-private (no
+  clipping, no noise) and clipping-only references.
 * Every method of a seed shares the initialization, the Poisson batches and the noise draws (common random
   numbers: :func:`dp_bench.train.run_dp` reseeds before ``make_private``).
 * Learning rates: per (method, optimizer, B) the value of ``--lr-grid`` with the best final *validation*
-  accuracy at ``--tune-epsilon`` on the tuning seed (not one of the evaluation seeds); never the test set.
+  accuracy at ``--tune-epsilon`` on the tuning seed (not one of the evaluation seeds); never the test set. A
+  best value at an end of what was tried extends the grid outward by a factor 2 (at most three times).
 * Metrics: final test accuracy at the budget; steps to reach the no-denoiser baseline's final mean test
   accuracy (a seed that never reaches it counts as reaching at the budget; the count is reported); the
   absolute ε a method needs to reach the baseline's mean final accuracy at ``--target-epsilon`` (interpolated
@@ -41,12 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config
 from ..meta import RESULTS, machine, quiet_warnings, versions
-from ..task import ImageTask, fashion_mnist_task
+from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
 from ..vision import build
-from . import fmnist_report as report
+from . import grid_report as report
 
 #: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk" also
 #: needs DiSK's two-point gradient in the loop (per-sample gradients: hooks mode)
@@ -69,13 +76,15 @@ LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
 
 @dataclass
 class Config:
-    model: str = opt("mlp", "mlp or cnn", choices=("mlp", "cnn"))
+    model: str = opt("mlp", "mlp or cnn (Fashion-MNIST), minilm (Rotten Tomatoes)", choices=("mlp", "cnn", "minilm"))
+    trainable: str = opt("lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layer")
     methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
     epsilons: list[float] = opt([1.0, 3.0, 8.0], "target ε (δ = 1e-5)")
     references: bool = opt(True, "also run the non-private and the clipping-only references")
     epochs: float = opt(20.0, "step budget, in passes over the training split")
+    steps: int = opt(0, "step budget in logical steps (overrides --epochs when > 0)")
     seeds: list[int] = opt([0, 1, 2, 3, 4], "evaluation seeds (paired across methods)")
     tune_seed: int = opt(100, "seed of the learning-rate runs (not an evaluation seed)")
     tune_epsilon: float = opt(3.0, "ε of the learning-rate runs")
@@ -88,10 +97,10 @@ class Config:
     grad_sample_mode: str = opt("ghost", "per-example clipping implementation", choices=("ghost", "hooks"))
     checkpoints: int = opt(20, "evaluations along the run")
     target_epsilon: float = opt(3.0, "the baseline's final accuracy at this ε is the target of the ε metric")
-    val_size: int = opt(5000, "validation images carved from the training split")
+    val_size: int = opt(5000, "validation examples carved from the training split")
     threads: int = opt(2, "torch threads")
-    out: Path = opt(RESULTS, "output folder (fmnist.json, fmnist.png)")
-    name: str = opt("fmnist", "file stem of the outputs")
+    out: Path = opt(RESULTS, "output folder (<name>.json, <name>.png)")
+    name: str = opt("grid", "file stem of the outputs")
     resume: bool = opt(False, "keep the runs already in the JSON")
     replot: bool = opt(False, "only the tables and the plot from the JSON")
     measure_speed: bool = opt(False, "only measure ghost clipping vs hooks")
@@ -105,6 +114,8 @@ class Config:
             raise ValueError("--methods must include the baseline 'none'")
         if self.target_epsilon not in self.epsilons:
             raise ValueError("--target-epsilon must be one of --epsilons")
+        if self.model == "minilm" and ("disk" in self.methods or self.measure_speed):
+            raise ValueError("--model minilm: 'disk' and --measure-speed are defined for the image models only")
         if self.smoke:
             self.epochs, self.seeds, self.batches, self.checkpoints = 0.05, [0, 1], [256], 2
             self.lr_grid_sgd, self.lr_grid_adamw, self.val_size = [1.0, 2.0], [1e-3, 2e-3], 500
@@ -114,6 +125,25 @@ class Config:
         if method == "nonprivate" and optimizer == "sgd":
             return self.lr_grid_nonprivate  # unclipped gradients are larger than clipped ones
         return self.lr_grid_sgd if optimizer == "sgd" else self.lr_grid_adamw
+
+
+def load_task(cfg: Config) -> ImageTask | FrozenTextTask:
+    """The bed's train / validation / test splits (the validation split is carved from the training split)."""
+    if cfg.model == "minilm":
+        return frozen_text_task("minilm", 48, 1, val_size=cfg.val_size)
+    return fashion_mnist_task(cfg.val_size)
+
+
+def new_model(cfg: Config, task: ImageTask | FrozenTextTask, seed: int) -> nn.Module:
+    """A freshly initialized model from ``seed`` (the same for every method of a seed)."""
+    if isinstance(task, FrozenTextTask):
+        return build_top(task, Trainable.parse(cfg.trainable), seed)
+    return build(cfg.model, seed)
+
+
+def budget(cfg: Config, n_train: int, batch: int) -> int:
+    """Logical steps of a run: ``--steps``, else ``--epochs`` passes of expected batch ``batch``."""
+    return cfg.steps if cfg.steps > 0 else max(1, round(cfg.epochs * n_train / batch))
 
 
 def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, seed: int, lr: float) -> str:
@@ -165,8 +195,8 @@ class ReleasedOracle:
         self.cos.append((step, cos[0], cos[1]))
 
 
-def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: int, eps: float, lr: float, seed: int,
-            steps: int) -> dict[str, Any]:  # fmt: skip
+def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimizer: str, batch: int, eps: float,
+            lr: float, seed: int, steps: int) -> dict[str, Any]:  # fmt: skip
     """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates)."""
     n = len(task.train)
     q = batch / n
@@ -177,7 +207,7 @@ def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: in
     else:
         hooks, momentum = METHODS[method]
         nm, clip = calibrate(eps, q, steps), cfg.max_grad_norm
-    model = build(cfg.model, seed)  # the same initialization for every method of a seed
+    model = new_model(cfg, task, seed)
     gradient, mode = None, cfg.grad_sample_mode
     if method == "disk":
         from opacus_spectral_disk import DiskGradient
@@ -188,7 +218,8 @@ def one_run(cfg: Config, task: ImageTask, method: str, optimizer: str, batch: in
     oracle = ReleasedOracle()
     t0 = time.perf_counter()
     r = run_dp(
-        model, task.train, task.test, input_names=None, post_hooks=hooks, noise_multiplier=nm, batch_size=batch,
+        model, task.train, task.test, input_names=task.input_names, post_hooks=hooks, noise_multiplier=nm,
+        batch_size=batch,
         steps=steps, seed=seed, lr=lr, optimizer=optimizer, momentum=cfg.momentum if momentum is None else momentum,
         max_grad_norm=clip, physical_batch=batch, eval_at=eval_at, eval_batch=2000, oracle=False, per_param=False,
         grad_sample_mode=mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
@@ -232,7 +263,7 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
     task = fashion_mnist_task(cfg.val_size)
     x, y = task.train.tensors
     out: dict[str, Any] = {
-        "command": "dp-bench fmnist --measure-speed", "threads": torch.get_num_threads(), "cases": {},
+        "command": "dp-bench grid --measure-speed", "threads": torch.get_num_threads(), "cases": {},
     }
     for model_name in ("mlp", "cnn"):
         for batch in cfg.batches:
@@ -278,6 +309,21 @@ def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
     return tune + evals
 
 
+def same_config(stored: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a stored grid's configuration is this one, up to ``resume`` and options added since, at their
+    defaults (a JSON from before an option existed resumes when the option keeps its default)."""
+    defaults = as_json(Config())
+    for key in set(stored) | set(now):
+        if key == "resume":
+            continue
+        if key not in stored:
+            if now[key] != defaults.get(key):
+                return False
+        elif stored[key] != now.get(key):
+            return False
+    return True
+
+
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
@@ -285,19 +331,17 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     path = cfg.out / f"{cfg.name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
-    if cfg.resume and result.get("config") and {k: v for k, v in result["config"].items() if k not in ("resume",)} != {
-        k: v for k, v in as_json(cfg).items() if k not in ("resume",)
-    }:
+    if cfg.resume and result.get("config") and not same_config(result["config"], as_json(cfg)):
         raise SystemExit(f"--resume: {path} was made with another configuration; use another --name")
-    task = fashion_mnist_task(cfg.val_size)
+    task = load_task(cfg)
     n = len(task.train)
-    result.update({"command": command_line("fmnist", argv), "config": as_json(cfg), "data": task.info,
+    result.update({"command": command_line("grid", argv), "config": as_json(cfg), "data": task.info,
                    "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
     result.setdefault("lr_choice", {})
     cfg.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc="fmnist grid", unit="cell"):
-        steps = max(1, round(cfg.epochs * n / batch))
+    for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc=f"{cfg.name} grid", unit="cell"):
+        steps = budget(cfg, n, batch)
         cell = f"{method}|{optimizer}|B{batch}"
         lrs = list(cfg.lr_grid(optimizer, method)) if phase == "tune" else [result["lr_choice"][cell]["lr"]]
         while lrs:
@@ -320,7 +364,7 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench fmnist", description=__doc__.split("\n")[0])
+    cfg = parse_config(Config, argv, prog="dp-bench grid", description=__doc__.split("\n")[0])
     if cfg.measure_speed:
         torch.set_num_threads(cfg.threads)
         return measure_speed(cfg)

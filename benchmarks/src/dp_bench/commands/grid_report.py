@@ -1,4 +1,4 @@
-"""Tables, paired statistics and the plot of the Fashion-MNIST bed (``dp-bench fmnist``), from its JSON only."""
+"""Tables, paired statistics and the plot of a paired-seed grid (``dp-bench grid``), from its JSON only."""
 
 from __future__ import annotations
 
@@ -188,7 +188,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("final test accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fashion-MNIST, {cfg['model']}, {cfg['epochs']:g} epochs, C = {cfg['max_grad_norm']}, "
+    minilm = cfg["model"] == "minilm"
+    bed = f"Rotten Tomatoes, MiniLM {cfg.get('trainable')}" if minilm else "Fashion-MNIST, " + cfg["model"]
+    budget = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg['epochs']:g} epochs"
+    fig.suptitle(f"{bed}, {budget}, C = {cfg['max_grad_norm']}, "
                  f"seeds {cfg['seeds']} (bands: sample s.d.)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The Fashion-MNIST bed: the IDX reader (on files written here), the missing-package error, the real Debian
-package when installed (required under PEFT_LALORA_REQUIRE_DATA=1), and a smoke run of ``dp-bench fmnist`` on a
+package when installed (required under PEFT_LALORA_REQUIRE_DATA=1), and a smoke run of ``dp-bench grid`` on a
 small synthetic copy of the dataset (tuning + paired evaluation + report)."""
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def test_real_debian_package_has_the_published_sizes() -> None:
     assert counts.tolist() == [6000] * 10  # the dataset is balanced: 6,000 per class
 
 
-def test_fmnist_command_smoke_runs_every_method_and_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dp_bench.commands import fmnist
+def test_grid_command_smoke_tunes_evaluates_paired_and_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dp_bench.commands import grid
 
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
     methods = ["none", "rmt"]
-    out = fmnist.main(["--smoke", "--methods", *methods, "--epsilons", "1", "3", "--out", str(tmp_path),
+    out = grid.main(["--smoke", "--methods", *methods, "--epsilons", "1", "3", "--out", str(tmp_path),
                        "--name", "s", "--no-references"])  # fmt: skip
     saved = json.loads((tmp_path / "s.json").read_text())
     evals = [r for k, r in saved["runs"].items() if k.startswith("eval|")]
