@@ -98,3 +98,35 @@ def test_grid_command_smoke_tunes_evaluates_paired_and_reports(tmp_path: Path, m
         assert acc == first[("none", s, e)]
     assert (tmp_path / "s.png").is_file()
     assert out["analysis"]
+
+
+def test_released_oracle_is_exact_without_noise_and_sees_a_scaled_update() -> None:
+    """Clipping only (σ = 0): the released update is the clean clipped mean, so cos = 1 and the norm ratio 1;
+    a denoiser that halves the update keeps cos = 1 and halves the ratio (globally and per matrix)."""
+    from dp_bench.commands.grid import ReleasedOracle
+    from dp_bench.train import run_dp
+    from dp_bench.vision import build
+
+    from opacus_spectral import Denoiser
+
+    class Half(Denoiser):
+        name = "half"
+
+        def __call__(self, records):  # type: ignore[no-untyped-def]
+            return [r.tensor * 0.5 for r in records]
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    for hooks, ratio in (([], 1.0), ([Half()], 0.5)):
+        oracle = ReleasedOracle(every=1)
+        run_dp(build("mlp", 0), data, data, input_names=None, post_hooks=hooks, noise_multiplier=0.0, batch_size=32,
+               steps=2, seed=0, lr=0.1, optimizer="sgd", physical_batch=32, oracle=False, per_param=False,
+               grad_sample_mode="ghost", allow_non_private=True, on_step=oracle)  # fmt: skip
+        assert len(oracle.cos) == 2 and len(oracle.per_matrix) == 4  # two steps × two weight matrices
+        for _, cos_clean, _ in oracle.cos:
+            assert cos_clean == pytest.approx(1.0, abs=1e-9)
+        for _, r in oracle.norm_ratio:
+            assert r == pytest.approx(ratio, rel=1e-9)
+        for _, _, cos_m, r_m in oracle.per_matrix:
+            assert cos_m == pytest.approx(1.0, abs=1e-9) and r_m == pytest.approx(ratio, rel=1e-9)

@@ -166,13 +166,22 @@ def rdp_epsilon(nm: float, q: float, steps: int, delta: float = 1e-5) -> float:
 
 
 class ReleasedOracle:
-    """Per logical step: cosine of the released update (``p.grad`` after the denoisers) to the clean clipped
-    gradient and to the clean gradient's EMA (β = 0.9) — the oracle of the *update*, not only of the gradient."""
+    """Every ``every`` logical steps: how the released update (``p.grad`` after the denoisers) relates to the clean
+    clipped gradient — its cosine to it and to the clean gradient's EMA (β = 0.9), and the norm ratio
+    ‖released‖ / ‖clean‖, globally (``cos``) and per weight matrix (``per_matrix``). The oracle of the *update*,
+    not only of the gradient: a denoiser that zeroes signal lowers the cosine, one that inflates noise raises the
+    ratio."""
 
     def __init__(self, every: int = 5) -> None:
         self.every = every
         self.ema: list[torch.Tensor] | None = None
         self.cos: list[tuple[int, float, float]] = []
+        self.norm_ratio: list[tuple[int, float]] = []
+        self.per_matrix: list[tuple[int, int, float, float]] = []  #: (step, matrix index, cos, norm ratio)
+
+    @staticmethod
+    def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
 
     def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
         from opacus_spectral.calibration import clean_scale
@@ -189,10 +198,14 @@ class ReleasedOracle:
                 e.mul_(0.9).add_(c, alpha=0.1)
         if step % self.every:
             return
-        rel = torch.cat([p.grad.detach().reshape(-1) for p in params]).double()
-        c, e = torch.cat(clean).double(), torch.cat(self.ema).double()
-        cos = [float(rel @ v / (rel.norm() * v.norm()).clamp_min(1e-300)) for v in (c, e)]
-        self.cos.append((step, cos[0], cos[1]))
+        released = [p.grad.detach().reshape(-1).double() for p in params]
+        rel, c, e = torch.cat(released), torch.cat(clean).double(), torch.cat(self.ema).double()
+        self.cos.append((step, self._cos(rel, c), self._cos(rel, e)))
+        self.norm_ratio.append((step, float(rel.norm() / c.norm().clamp_min(1e-300))))
+        for i, (p, r_i, c_i) in enumerate(zip(params, released, clean, strict=True)):
+            if p.dim() == 2:
+                c_i = c_i.double()
+                self.per_matrix.append((step, i, self._cos(r_i, c_i), float(r_i.norm() / c_i.norm().clamp_min(1e-300))))
 
 
 def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimizer: str, batch: int, eps: float,
@@ -231,6 +244,7 @@ def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimize
         "steps": steps, "noise_multiplier": nm, "sample_rate": q, "epsilon_prv": float(r["epsilon"]) if nm else None,
         "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None, "test": r["curve"], "val": r["curves"]["val"],
         "final_test": r["curve"][-1][1], "final_val": r["curves"]["val"][-1][1], "cos": oracle.cos,
+        "norm_ratio": oracle.norm_ratio, "per_matrix": oracle.per_matrix,
         "gated_per_step": sum(gated) / len(gated) if gated else None, "train_seconds": r["train_seconds"],
         "wall_seconds": time.perf_counter() - t0,
     }  # fmt: skip

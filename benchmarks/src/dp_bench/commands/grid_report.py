@@ -53,6 +53,10 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             }
         cos = [np.mean([c[1] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
         cos_ema = [np.mean([c[2] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
+        ratio = [np.mean([c[1] for c in r["norm_ratio"][len(r["norm_ratio"]) // 2 :]]) for r in seeds.values()
+                 if r.get("norm_ratio")]  # fmt: skip
+        if ratio:
+            entry["norm_ratio_released_clean_2nd_half"] = mean_std(ratio)
         if cos:
             entry["cos_released_clean_2nd_half"] = mean_std(cos)
             entry["cos_released_clean_ema_2nd_half"] = mean_std(cos_ema)
@@ -109,20 +113,22 @@ def _fmt_ci(ci: dict[str, Any], scale: float = 100.0, unit: str = "") -> str:
 def tables(result: dict[str, Any]) -> str:
     an = result.get("analysis") or analyze(result)
     lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | steps to none's "
-             "final acc (never) | cos(released, clean) 2nd half | gated/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "final acc (never) | cos(released, clean) 2nd half | ‖released‖/‖clean‖ | gated/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in an["cells"].values():
         fin = c["final_test"]
         st = c.get("steps_to_baseline")
         steps = f"{st['mean']:.0f}/{st['budget']} ({st['never_reached']})" if st else "–"
         cos = c.get("cos_released_clean_2nd_half")
         cos_txt = "–" if not cos else f"{cos[0]:.3f}"
+        ratio = c.get("norm_ratio_released_clean_2nd_half")
+        ratio_txt = "–" if not ratio else f"{ratio[0]:.2f}"
         gated = c.get("gated_per_step")
         gated_txt = "–" if gated is None else f"{gated:.2f}"
         lines.append(
             f"| {c['optimizer']} | {c['batch']} | {c['epsilon']:g} | {c['method']} | {c['lr']:g} | "
             f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | "
-            f"{cos_txt} | {gated_txt} |"
+            f"{cos_txt} | {ratio_txt} | {gated_txt} |"
         )
     lines += [
         "",
