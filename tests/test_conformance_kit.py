@@ -122,3 +122,29 @@ class StorageKeepingEma(Ema):
 def test_kit_detects_retained_storage_not_only_references():
     with pytest.raises(AssertionError, match="keeps the storage"):
         check_denoiser(StorageKeepingEma, stateful=True, sigma_zero_identity=False)
+
+
+class Halve(Denoiser):
+    """Halves every gradient and declares ``gain`` as the output noise's std factor (honest when 0.5)."""
+
+    name = "halve"
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def __call__(self, grads):
+        return [g.tensor * 0.5 for g in grads]
+
+    def output_noise(self, grads):
+        return self.gain
+
+
+def test_kit_checks_the_declared_output_noise_against_the_measured_std():
+    check_denoiser(lambda: Halve(0.5), sigma_zero_identity=False)  # honest: passes
+    lying = r"gain\(s\) \[1.0\] at step 0, but the measured .* is 0\.(4[89]|5[01])\d ×"
+    with pytest.raises(AssertionError, match=lying):
+        check_denoiser(lambda: Halve(1.0), sigma_zero_identity=False)
+    with pytest.raises(AssertionError, match="output_noise declares"):
+        check_denoiser(lambda: Halve(0.4), sigma_zero_identity=False)  # 25 % off
+    check_denoiser(lambda: Halve(0.47), sigma_zero_identity=False)  # 6 % off: inside the kit's 10 % tolerance

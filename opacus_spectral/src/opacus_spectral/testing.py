@@ -22,6 +22,9 @@ It raises ``AssertionError`` naming the first broken rule. What it checks (see `
 6. Stateful denoisers (``stateful=True``): ``state_dict()`` survives ``torch.save``/``torch.load``, and a fresh
    instance loaded mid-sequence continues with exactly the outputs of an uninterrupted run; ``reset()`` returns
    to the initial behaviour.
+7. Honest noise declarations: fed pure Gaussian noise of std ``sigma`` for ``steps`` steps, the outputs of the
+   records for which ``output_noise`` declares a gain ``g`` have a measured std within 10 % of ``g × sigma`` at
+   every step (a spectral denoiser after this one trusts that number; ``docs/plugins.md``).
 """
 
 from __future__ import annotations
@@ -201,3 +204,40 @@ def check_denoiser(
             assert _equal(_run(resumed, seq[s], infos, sigma), ref_out[s]), f"{name}: resume differs at step {s}"
         full.denoisers[0].reset()
         assert _equal(_run(full, seq[0], infos, sigma), ref_out[0]), f"{name}: reset() did not restore the start"
+
+    # 7. a declared output-noise gain is the measured one
+    _check_declared_noise(factory, name, infos, layout, sigma, steps, device)
+
+
+def _check_declared_noise(
+    factory: Callable[[], Any],
+    name: str,
+    infos: Sequence[ParamInfo],
+    layout: Sequence[tuple[str, str, tuple[int, ...]]],
+    sigma: float,
+    steps: int,
+    device: str | torch.device,
+) -> None:
+    d = factory()
+    declare = getattr(d, "output_noise", None)
+    if declare is None:
+        return
+    gen = torch.Generator().manual_seed(4321)
+    for step in range(steps):
+        grads = [(sigma * torch.randn(shape, generator=gen)).to(device=device) for _, _, shape in layout]
+        records = [NoisyGradient(i.name, i.role, g, sigma, step, i.layer) for i, g in zip(infos, grads, strict=True)]
+        outs = _outputs_of(records, d(records))
+        gains = declare(records)
+        gains = [gains] * len(records) if isinstance(gains, (str, int, float)) else list(gains)
+        z = [o.double().reshape(-1) / (float(g) * sigma) for o, g in zip(outs, gains, strict=True)
+             if isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0 and o.numel()]  # fmt: skip
+        if not z:
+            continue
+        pooled = torch.cat(z)
+        if pooled.numel() < 1000:
+            continue  # too few entries for a 10 % test
+        measured = float(pooled.pow(2).mean().sqrt())
+        assert abs(measured - 1.0) <= 0.1, (
+            f"{name}: output_noise declares gain(s) {sorted({float(g) for g in gains if isinstance(g, (int, float))})}"
+            f" at step {step}, but the measured output std on pure noise is {measured:.3f} × the declared one"
+        )
