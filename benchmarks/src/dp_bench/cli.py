@@ -16,6 +16,7 @@ COMMANDS = {
     "overhead": "dp_bench.commands.overhead",
     "noise-std": "dp_bench.commands.noise_std",
     "isolation-cost": "dp_bench.commands.isolation_cost",
+    "audit": "dp_bench.commands.audit",
     "grid": "dp_bench.commands.grid",
 }
 

@@ -1,0 +1,230 @@
+"""White-box gradient canaries: Dirac canaries injected into the clipped sum of an Opacus ``DPOptimizer``.
+
+Canary i is a fixed gradient ``C·e_{c_i}`` — the clipping bound C times the unit vector of one coordinate
+``c_i`` of a trainable parameter (a *Dirac canary*; distinct coordinates, chosen at random). It is a worst-case
+example of DP-SGD: its clipped gradient has the largest norm the mechanism allows, whatever the model. Each
+canary is included with probability ½ (its secret coin); an included canary takes part in a logical step with
+probability ``sample_rate`` (1.0: every step) and is then added to ``p.summed_grad`` *before* Opacus draws the
+noise — the exact DP-SGD mechanism, one privacy unit per canary (``docs/math.md`` §5.4).
+
+The auditor reads what the step *released*: ``p.grad`` as the inner optimizer receives it (after the noise, the
+scaling and every denoiser of ``post_hooks``), at the canary's coordinate, in units of one canary's signal
+(``C/(B·k)`` for mean reduction). Scores (``docs/math.md`` §5.5): the sum over steps (the likelihood-ratio
+test for ``sample_rate = 1``), or the per-step likelihood ratio of a subsampled canary.
+
+Attach after ``make_private`` (so the released gradient is read after the denoisers)::
+
+    canaries = GradientCanaries(optimizer, 5000, module=model, seed=0)
+    ...train...
+    canaries.audit(delta=1e-5).epsilon_lower  <  canaries.claimed_epsilon(1e-5)
+
+Supported: ``DPOptimizer`` with flat clipping (hooks, functorch, ghost), any ``loss_reduction``, accumulation
+(BatchMemoryManager). Refused: per-layer or adaptive clipping (the canary's norm would not be the bound the
+accountant assumes) and distributed optimizers (each rank would inject its own copy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
+from torch import nn
+
+from ..calibration import clean_scale, world_size
+from ..installation import HANDLE_ATTR
+from ..parameters import describe_parameters
+from ..selection import ParamFilter, resolve_param_filter
+from .claims import canary_epsilon
+from .guesses import AuditResult, audit_scores
+
+__all__ = ["GradientCanaries"]
+
+
+class GradientCanaries:
+    """Dirac gradient canaries on ``dp_optimizer`` (module docstring).
+
+    Args:
+        dp_optimizer: the Opacus optimizer returned by ``make_private`` (flat clipping, one process).
+        num_canaries: m, the number of canaries (distinct coordinates; at most the number of entries).
+        module: the model, to name parameters for ``params=``.
+        params: optional name filter for the parameters that hold canaries (needs ``module``).
+        sample_rate: probability that an included canary takes part in a step (1.0: every step).
+        seed: seeds the coordinates, the coins and the per-step sampling (independent of Opacus' noise).
+        keep_steps: also keep every step's released value per canary (needed by ``score="likelihood_ratio"``;
+            default: when ``sample_rate < 1``). Memory: m floats per step.
+    """
+
+    def __init__(
+        self,
+        dp_optimizer: DPOptimizer,
+        num_canaries: int,
+        *,
+        module: nn.Module | None = None,
+        params: ParamFilter = None,
+        sample_rate: float = 1.0,
+        seed: int = 0,
+        keep_steps: bool | None = None,
+    ) -> None:
+        _check_optimizer(dp_optimizer)
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if params is not None and module is None:
+            raise ValueError("params= selects parameters by name: pass module= too")
+        self.optimizer = dp_optimizer
+        self.sample_rate = float(sample_rate)
+        self.keep_steps = self.sample_rate < 1.0 if keep_steps is None else bool(keep_steps)
+        select = resolve_param_filter(params)
+        infos = describe_parameters(dp_optimizer.params, module, None)
+        self._params = [p for p in dp_optimizer.params if select(infos[id(p)].name)]
+        self.param_names = [infos[id(p)].name for p in self._params]
+        sizes = np.array([p.numel() for p in self._params], dtype=np.int64)
+        total = int(sizes.sum())
+        if not 1 <= num_canaries <= total:
+            raise ValueError(
+                f"num_canaries must be in [1, {total}] (the selected parameters' entries), got {num_canaries}"
+            )
+        self.num_canaries = int(num_canaries)
+        rng = np.random.default_rng(seed)
+        coords = rng.choice(total, size=self.num_canaries, replace=False)
+        #: the secret coins: canary i is in the training run iff ``included[i]``
+        self.included = torch.from_numpy(rng.random(self.num_canaries) < 0.5)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        owner = np.searchsorted(starts, coords, side="right") - 1
+        #: per parameter: (its index among the selected, flat coordinates, positions among the canaries)
+        self._slots: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for j in np.unique(owner):
+            pos = np.flatnonzero(owner == j)
+            dev = self._params[j].device
+            self._slots.append((int(j), torch.from_numpy(coords[pos] - starts[j]).to(dev), torch.from_numpy(pos)))
+        #: (parameter name, flat index) of every canary
+        self.coordinates = [(self.param_names[int(o)], int(c - starts[o])) for o, c in zip(owner, coords, strict=True)]
+        self._gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
+        self._sums = torch.zeros(self.num_canaries, dtype=torch.float64)
+        self._steps: list[torch.Tensor] = []
+        self.noise_multipliers: list[float] = []  #: σ the optimizer reported at each observed step
+        self._pending = False
+        self._handle_at_attach = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
+        self._orig_add_noise: Callable[[], None] = dp_optimizer.add_noise
+        dp_optimizer.add_noise = self._add_noise  # type: ignore[method-assign]
+        self._hook = dp_optimizer.original_optimizer.register_step_pre_hook(self._read_released)
+        self._removed = False
+
+    # -- the mechanism ------------------------------------------------------------------------------
+    def _add_noise(self) -> None:
+        """Add ``C·e_c`` of every included canary sampled this step to ``p.summed_grad``, then Opacus' noise."""
+        opt = self.optimizer
+        present = self.included.clone()
+        if self.sample_rate < 1.0:
+            present &= torch.rand(self.num_canaries, generator=self._gen) < self.sample_rate
+        weight = present.to(torch.float64) * float(opt.max_grad_norm)
+        for j, idx, pos in self._slots:
+            p = self._params[j]
+            summed = getattr(p, "summed_grad", None)
+            if summed is None:  # frozen this step: its canaries are not in the sum
+                continue
+            if not summed.is_contiguous():
+                p.summed_grad = summed = summed.contiguous()
+            summed.view(-1).index_add_(0, idx, weight[pos].to(device=summed.device, dtype=summed.dtype))
+        self._pending = True
+        self._orig_add_noise()
+
+    def _read_released(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Inner-optimizer pre-hook, after the denoisers: the released value at every canary's coordinate."""
+        if not self._pending:
+            return  # no noise was added (a direct inner step): nothing was released by DP-SGD
+        self._pending = False
+        if getattr(inner, HANDLE_ATTR, None) is not self._handle_at_attach:
+            raise RuntimeError(
+                "the denoiser pipeline on this optimizer changed after the gradient canaries were attached, so "
+                "they may read the gradient before the denoisers; attach GradientCanaries after make_private"
+            )
+        unit = float(self.optimizer.max_grad_norm) * clean_scale(self.optimizer)  # one canary's signal in p.grad
+        values = torch.zeros(self.num_canaries, dtype=torch.float64)
+        for j, idx, pos in self._slots:
+            g = self._params[j].grad
+            if g is None:
+                continue
+            flat = g.detach().reshape(-1)
+            values[pos] = flat.index_select(0, idx).to(device="cpu", dtype=torch.float64) / unit
+        self._sums += values
+        if self.keep_steps:
+            self._steps.append(values.to(torch.float32))
+        self.noise_multipliers.append(float(self.optimizer.noise_multiplier))
+
+    def remove(self) -> None:
+        """Stop injecting and reading (the optimizer's ``add_noise`` is restored)."""
+        if self._removed:
+            return
+        self._removed = True
+        self._hook.remove()
+        if self.optimizer.__dict__.get("add_noise") == self._add_noise:
+            del self.optimizer.__dict__["add_noise"]
+        else:  # something wrapped it after us: keep the chain, make our layer a pass-through
+            self._slots = []
+
+    # -- the auditor --------------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Logical steps whose released gradient was read."""
+        return len(self.noise_multipliers)
+
+    def scores(self, score: str = "sum") -> torch.Tensor:
+        """Per-canary scores, higher = more likely included (``docs/math.md`` §5.5).
+
+        ``"sum"``: Σ_t z_t, z_t the released value at the canary's coordinate in units of its signal.
+        ``"likelihood_ratio"``: Σ_t log(1 − p + p·exp((z_t − ½)/σ_t²)) with p = ``sample_rate`` and σ_t the
+        reported noise multiplier — the log-likelihood ratio of "included" for the undenoised mechanism
+        (needs ``keep_steps``). Either is a valid score for the bound; they differ in power.
+        """
+        if score == "sum":
+            return self._sums.clone()
+        if score != "likelihood_ratio":
+            raise ValueError(f"score must be 'sum' or 'likelihood_ratio', got {score!r}")
+        if not self.keep_steps:
+            raise ValueError(
+                "score='likelihood_ratio' needs the per-step values: GradientCanaries(..., keep_steps=True)"
+            )
+        if not self._steps:
+            return torch.zeros(self.num_canaries, dtype=torch.float64)
+        z = torch.stack(self._steps).to(torch.float64)  # (T, m)
+        inv_var = torch.tensor([s**-2 if s > 0 else math.inf for s in self.noise_multipliers], dtype=torch.float64)
+        log_lr = (z - 0.5) * inv_var[:, None]
+        p = self.sample_rate
+        if p == 1.0:
+            return log_lr.sum(0)
+        # log(1 − p + p·e^x) = logaddexp(log(1 − p), log p + x)
+        return torch.logaddexp(torch.full_like(log_lr, math.log1p(-p)), log_lr + math.log(p)).sum(0)
+
+    def audit(
+        self,
+        *,
+        delta: float = 0.0,
+        confidence: float = 0.95,
+        guesses: list[tuple[int, int]] | None = None,
+        score: str = "sum",
+    ) -> AuditResult:
+        """The one-run lower bound on ε from this run (:func:`~opacus_spectral.audit.audit_scores`)."""
+        if self.steps == 0:
+            raise RuntimeError("no DP step was observed since the canaries were attached")
+        return audit_scores(self.scores(score), self.included, delta=delta, confidence=confidence, guesses=guesses)
+
+    def claimed_epsilon(self, delta: float, *, accountant: str = "prv") -> float:
+        """The ε a correct engine claims for one canary over the observed steps (``docs/math.md`` §5.4):
+        exact μ-GDP for ``sample_rate = 1``, Opacus' ``accountant`` at the canary's rate otherwise."""
+        return canary_epsilon(self.noise_multipliers, self.sample_rate, delta, accountant=accountant)
+
+
+def _check_optimizer(opt: Any) -> None:
+    if not isinstance(opt, DPOptimizer):
+        raise TypeError(f"GradientCanaries needs an Opacus DPOptimizer (from make_private), got {type(opt).__name__}")
+    if isinstance(opt, (DPPerLayerOptimizer, AdaClipDPOptimizer)) or not isinstance(opt.max_grad_norm, (int, float)):
+        raise NotImplementedError(
+            "gradient canaries need flat clipping with a fixed bound (clipping='flat'): per-layer and adaptive "
+            "clipping change the norm a canary may have"
+        )
+    if world_size(opt) > 1 or "Distributed" in type(opt).__name__:
+        raise NotImplementedError("gradient canaries are not supported under DDP (every rank would inject them)")
