@@ -324,11 +324,12 @@ def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
 
 
 def same_config(stored: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether a stored grid's configuration is this one, up to ``resume`` and options added since, at their
-    defaults (a JSON from before an option existed resumes when the option keeps its default)."""
+    """Whether a stored grid's configuration is this one, up to the execution settings (``resume``, ``threads``:
+    the thread count changes only the order of float sums) and options added since, at their defaults (a JSON
+    from before an option existed resumes when the option keeps its default)."""
     defaults = as_json(Config())
     for key in set(stored) | set(now):
-        if key == "resume":
+        if key in ("resume", "threads"):
             continue
         if key not in stored:
             if now[key] != defaults.get(key):
