@@ -3,10 +3,12 @@
 ``PrivacyEngine().make_private(..., post_hooks=["rmt"])`` runs the listed denoisers (a pipeline) on the noisy
 DP-SGD gradient every logical step. Post-processing of the privatized gradient costs no privacy budget; the
 accountant is untouched. Mathematics: ``docs/math.md``; Opacus facts relied on: ``docs/upstream.md``.
+The Hugging Face Trainer with DP-SGD is ``opacus_spectral.hf.DPTrainer`` (the ``[hf]`` extra, ``docs/trainer.md``).
 """
 
 from .calibration import noise_std
 from .denoiser import Denoiser, DenoiserProtocol
+from .doctor import Doctor, DoctorError, DoctorWarning
 from .ema import EMADenoiser
 from .engine import PrivacyEngine
 from .grad_sample import set_trainable
@@ -37,6 +39,9 @@ __all__ = [
     "DenoiserError",
     "DenoiserInfo",
     "DenoiserProtocol",
+    "Doctor",
+    "DoctorError",
+    "DoctorWarning",
     "EMADenoiser",
     "DenoiserSpec",
     "LoadError",

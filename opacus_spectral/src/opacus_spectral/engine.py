@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
 
 from .checkpoint import load_checkpoint_file
+from .doctor import Doctor, DoctorSetting, install_doctor
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
 from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
@@ -46,6 +47,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
         self.registry = registry
         self.post_hooks: PostHookHandle | None = None
+        self.doctor: Doctor | None = None  #: the checks installed by the last make_private (docs/engine.md)
+        self._doctor_setting: DoctorSetting = True  # make_private_with_epsilon's choice, read by make_private
 
     # Opacus builds the GradSampleModule here; swap in the alternation-safe classes.
     def _prepare_model(
@@ -104,6 +107,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
         on_nonfinite_grad: OnNonFinite = "raise",
         allow_non_private: bool = False,
+        doctor: DoctorSetting | None = None,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private`` plus denoisers.
@@ -119,6 +123,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 ``"ignore"`` (Opacus' behaviour). Needs ``post_hooks`` (``[]`` is enough).
             allow_non_private: ``noise_multiplier=0`` is refused unless this is ``True`` (then it warns):
                 clipping without noise gives no differential privacy.
+            doctor: checks for silent failures (:mod:`~opacus_spectral.doctor`): ``True``/``"warn"`` (default),
+                ``"raise"``, or ``False`` (off). The installed checks are ``engine.doctor``.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
@@ -126,6 +132,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._check_noise(kwargs.get("noise_multiplier"), allow_non_private)
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         out = super().make_private(*args, **kwargs)
+        if self.doctor is not None:
+            self.doctor.remove()
+        setting = self._doctor_setting if doctor is None else doctor
+        self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting)
         if post_hooks is not None:
             # installed after super() returns: the accountant's step hook is attached last inside make_private
             # (docs/upstream.md §1.3)
@@ -149,11 +159,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
         oracle: bool = False,
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
         on_nonfinite_grad: OnNonFinite = "raise",
+        doctor: DoctorSetting = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
-        """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` (kept out of Opacus' kwargs)."""
+        """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` and ``doctor`` (kept out of Opacus'
+        kwargs, which also reach ``get_noise_multiplier``)."""
         self._drop_previous_pipeline(kwargs.get("optimizer"))
-        out = super().make_private_with_epsilon(*args, **kwargs)
+        self._doctor_setting = doctor
+        try:
+            out = super().make_private_with_epsilon(*args, **kwargs)
+        finally:
+            self._doctor_setting = True
         if post_hooks is not None:
             self.post_hooks = install_post_hooks(
                 out[1],

@@ -1,0 +1,314 @@
+"""The doctor: cheap checks for the silent ways a DP training run goes wrong.
+
+Opacus trains on without a word in several broken set-ups (``docs/engine.md``, "The doctor"): the model's
+parameters are no longer the ones the optimizer holds (Opacus issue #820: the model moved or materialized after
+``get_peft_model`` / ``make_private``), a parameter made trainable after ``make_private`` has no per-sample hooks
+(Opacus #687 / #729; under ghost clipping it is then updated without being clipped), an optimizer step adds no
+noise or is not counted by the accountant, or the first DP step moves nothing. Each check names the cause and
+the fix; ``mode="warn"`` warns once per finding (:class:`DoctorWarning`), ``mode="raise"`` raises
+:class:`DoctorError`.
+
+When the checks run, and what they cost:
+
+* at installation: parameters on the ``meta`` device; trainable parameters the optimizer does not hold;
+* on every training-mode forward of the model (a forward pre-hook, one pass over the parameter list): the
+  model's trainable parameters are the optimizer's, and every trainable parameter has Opacus' per-sample hooks;
+* on every inner optimizer step (an int compare): it followed Opacus' noisy step, and the accountant counted
+  that step exactly once (the doctor chains onto Opacus' ``step_hook``, after the accountant);
+* on the first DP step only: every trainable parameter has per-sample state and a noisy gradient, and moved
+  (one copy of the trainable parameters, freed after the step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from opacus.grad_sample import GradSampleHooksFastGradientClipping
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from .parameters import unwrap
+
+DoctorMode = Literal["warn", "raise"]
+#: what ``make_private(doctor=...)`` accepts: ``True``/``"warn"``, ``"raise"``, or ``False``/``None`` (off)
+DoctorSetting = bool | DoctorMode | None
+DOCTOR_ATTR = "_opacus_spectral_doctor"
+ORDER = "device -> get_peft_model -> optimizer -> make_private"
+
+
+class DoctorWarning(RuntimeWarning):
+    """A doctor finding (``mode="warn"``)."""
+
+
+class DoctorError(RuntimeError):
+    """A doctor finding (``mode="raise"``)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem the doctor found: which check, the message (cause and fix), the parameters involved."""
+
+    check: str
+    message: str
+    params: tuple[str, ...] = ()
+
+
+def resolve_mode(setting: DoctorSetting) -> DoctorMode | None:
+    """``True``/``"warn"`` → ``"warn"``, ``"raise"`` → ``"raise"``, ``False``/``None`` → ``None`` (off)."""
+    if setting is True or setting == "warn":
+        return "warn"
+    if setting == "raise":
+        return "raise"
+    if setting is False or setting is None:
+        return None
+    raise ValueError(f"doctor must be True, False, None, 'warn' or 'raise', got {setting!r}")
+
+
+def accounted_steps(accountant: Any) -> int:
+    """Steps an Opacus accountant has counted: its history holds ``(noise_multiplier, sample_rate, steps)``
+    entries, consecutive equal ones merged (``len(accountant)`` counts entries, not steps)."""
+    return sum(int(entry[2]) for entry in accountant.history)
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+class Doctor:
+    """Checks one private model + ``DPOptimizer`` pair (see the module docstring). ``remove()`` detaches it.
+
+    Args:
+        dp_optimizer: the optimizer ``make_private`` returned.
+        module: the model ``make_private`` returned (GradSampleModule, hooks object or the model itself).
+        accountant: the engine's accountant (``None``: the accounting check is off).
+        mode: ``"warn"`` or ``"raise"``.
+    """
+
+    def __init__(
+        self, dp_optimizer: DPOptimizer, module: Any, *, accountant: Any = None, mode: DoctorMode = "warn"
+    ) -> None:
+        self.optimizer = dp_optimizer
+        self.mode: DoctorMode = mode
+        self.accountant = accountant
+        self.findings: list[Finding] = []
+        self._reported: set[tuple[str, tuple[str, ...]]] = set()
+        self._model: nn.Module = unwrap(module)
+        self._ghost = isinstance(module, GradSampleHooksFastGradientClipping)
+        # Opacus sets per-sample hooks and state up for the parameters trainable at make_private time
+        self._covered = {id(p) for p in self._model.parameters() if p.requires_grad}
+        self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
+        self._first_step_pending = True
+        self._removed = False
+        self._noised = False  # Opacus' step hook chain ran (noise added) since the last inner optimizer step
+        self._counted: int | None = None  # steps the accountant counted in that chain
+        self._prev_step_hook = dp_optimizer.step_hook  # the accountant; chained, never replaced (upstream.md §1.1)
+        dp_optimizer.step_hook = self._step_hook
+        self._snapshot: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None
+        inner = dp_optimizer.original_optimizer
+        old = getattr(inner, DOCTOR_ATTR, None)
+        if old is not None:
+            old.remove()
+        self._handles = [
+            inner.register_step_pre_hook(self._pre_step),
+            inner.register_step_post_hook(self._post_step),
+            self._model.register_forward_pre_hook(self._on_forward),
+        ]
+        setattr(inner, DOCTOR_ATTR, self)
+        try:
+            self._check_installation()
+        except DoctorError:
+            self.remove()
+            raise
+
+    # -- public -------------------------------------------------------------------------------------------
+    @property
+    def first_step_checked(self) -> bool:
+        """Whether the first-DP-step checks (per-sample state, parameters moved) have run."""
+        return not self._first_step_pending
+
+    def remove(self) -> None:
+        """Detach every hook; findings stay readable."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._snapshot = None
+        self._removed = True
+        if self.optimizer.step_hook == self._step_hook:  # else a later hook chains onto ours: it passes through
+            self.optimizer.step_hook = self._prev_step_hook
+        inner = self.optimizer.original_optimizer
+        if getattr(inner, DOCTOR_ATTR, None) is self:
+            delattr(inner, DOCTOR_ATTR)
+
+    # -- reporting ----------------------------------------------------------------------------------------
+    def _report(self, check: str, message: str, params: list[str] | None = None) -> None:
+        key = (check, tuple(params or ()))
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        finding = Finding(check, message, key[1])
+        self.findings.append(finding)
+        text = f"opacus_spectral doctor [{check}]: {message}"
+        if self.mode == "raise":
+            raise DoctorError(text)
+        warnings.warn(text, DoctorWarning, stacklevel=3)
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.original_optimizer.param_groups for p in group["params"]]
+
+    def _name(self, p: torch.Tensor, fallback: str) -> str:
+        return self._names.get(id(p), fallback)
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def _check_installation(self) -> None:
+        meta = [n for n, p in self._model.named_parameters() if p.device.type == "meta"]
+        if meta:
+            self._report(
+                "meta_device",
+                f"{len(meta)} parameter(s) are on the meta device (e.g. {_shown(meta)}): they will be materialized "
+                "as NEW tensors at the first forward, after the optimizer and Opacus captured these ones, and the "
+                "model then trains nothing while epsilon still grows (the #820 failure). Fix: materialize the model "
+                f"on its device first (model.to(device) / from_pretrained without lazy loading); order: {ORDER}.",
+                meta,
+            )
+        self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        """The model's trainable parameters are the optimizer's, and each has Opacus' per-sample hooks."""
+        held = {id(p) for p in self._optimizer_params()}
+        model_ids = {id(p) for p in self._model.parameters()}
+        trainable = [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
+        missing = [n for n, p in trainable if id(p) not in held]
+        stale = [
+            self._name(p, f"optimizer param {i}")
+            for i, p in enumerate(self._optimizer_params())
+            if p.requires_grad and id(p) not in model_ids
+        ]
+        if stale:
+            self._report(
+                "optimizer_params",
+                f"the optimizer updates {len(stale)} parameter(s) the model no longer uses (e.g. {_shown(stale)}), "
+                f"and the model's trainable parameters {_shown(missing)} are not in the optimizer: the model's "
+                "parameters were replaced after the optimizer / make_private captured them (model.to(device) after "
+                "get_peft_model or make_private that re-creates parameters, lazy/meta materialization, "
+                "load_state_dict(assign=True) — Opacus issue #820). The model would never learn while epsilon "
+                f"grows. Fix: order {ORDER}, and do not move or reload the model afterwards.",
+                stale,
+            )
+        elif missing:
+            self._report(
+                "optimizer_params",
+                f"{len(missing)} trainable parameter(s) of the model are not in the optimizer (e.g. "
+                f"{_shown(missing)}): they get per-sample gradients but are never updated. Cause: the optimizer "
+                "was built before get_peft_model added the adapters, or from a subset of the parameters. Fix: "
+                f"build the optimizer from the final model's trainable parameters (order {ORDER}), or freeze "
+                "what should not train (requires_grad=False).",
+                missing,
+            )
+        uncovered = [n for n, p in trainable if id(p) in held and id(p) not in self._covered]
+        if uncovered:
+            consequence = (
+                "ghost clipping leaves them out of the per-example norms, so their update is NOT clipped and the "
+                "privacy guarantee is void" if self._ghost else "Opacus computes no per-sample gradient for them"
+            )
+            self._report(
+                "hook_coverage",
+                f"{len(uncovered)} parameter(s) became trainable after make_private (e.g. {_shown(uncovered)}): "
+                f"Opacus set its per-sample hooks up only for the parameters trainable then, so {consequence} "
+                "(Opacus #687/#729). Fix: make every parameter you will train trainable before make_private, and "
+                "switch them off and on between steps with opacus_spectral.set_trainable.",
+                uncovered,
+            )
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._check_parameters()
+
+    def _step_hook(self, opt: DPOptimizer) -> None:
+        before = accounted_steps(self.accountant) if self.accountant is not None else 0
+        if self._prev_step_hook is not None:
+            self._prev_step_hook(opt)
+        if not self._removed:
+            self._noised = True
+            self._counted = accounted_steps(self.accountant) - before if self.accountant is not None else None
+
+    def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        noised, counted = self._noised, self._counted
+        self._noised, self._counted = False, None
+        if not noised:
+            self._report(
+                "accounting",
+                "the optimizer stepped without a noisy, accounted DP step: epsilon does not include this update. "
+                "Causes: the inner optimizer was stepped directly, Opacus' step_hook (the accountant) was replaced, "
+                "or the DPOptimizer holds no trainable parameter with per-sample gradients — then Opacus steps "
+                "WITHOUT noise (e.g. the optimizer was built before get_peft_model). Fix: step through the "
+                f"DPOptimizer make_private returned; order {ORDER}.",
+            )
+        elif counted is not None and counted != 1:
+            self._report(
+                "accounting",
+                f"the accountant counted {counted} steps for one noisy step: epsilon is "
+                f"{'under' if counted < 1 else 'over'}-reported. Cause: the accountant's step_hook was removed from "
+                "the chain, or a second accountant hook was added. Fix: call make_private once per optimizer and "
+                "chain to the previous step_hook if you set your own.",
+            )
+        dp_step = noised
+        if not (dp_step and self._first_step_pending):
+            return
+        params = [p for p in self.optimizer.params]
+        no_state = [
+            self._name(p, "?")
+            for p in params
+            if p.grad is None
+            or getattr(p, "summed_grad", None) is None
+            or (getattr(p, "_norm_sample", None) if self._ghost else getattr(p, "grad_sample", None)) is None
+        ]
+        if no_state:
+            self._report(
+                "per_sample_grad",
+                f"{len(no_state)} trainable parameter(s) reached the first DP step without a per-sample gradient or "
+                f"noisy gradient (e.g. {_shown(no_state)}): they are not privatized as the accountant assumes. Fix: "
+                "make them trainable before make_private, and run forward/backward through the model make_private "
+                "wrapped.",
+                no_state,
+            )
+        self._snapshot = {
+            n: (p, p.detach().clone()) for n, p in self._model.named_parameters() if p.requires_grad
+        }
+
+    def _post_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:
+            return
+        lr = {id(p): group.get("lr", 1.0) for group in inner.param_groups for p in group["params"]}
+        checked, unchanged = 0, []
+        for name, (p, before) in snapshot.items():
+            if p.grad is None or lr.get(id(p), 0.0) == 0 or not bool(p.grad.detach().abs().max() > 0):
+                continue  # no update expected (skipped step, lr 0 e.g. warm-up, zero gradient without noise)
+            checked += 1
+            if torch.equal(p.detach(), before):
+                unchanged.append(name)
+        if checked == 0:
+            return  # nothing could move this step: look again at the next one
+        self._first_step_pending = False
+        if unchanged:
+            self._report(
+                "unchanged",
+                f"{len(unchanged)} trainable parameter(s) had a non-zero noisy gradient but did not change in the "
+                f"first DP step (e.g. {_shown(unchanged)}). Causes: the learning rate is too small for the "
+                "parameter's dtype (bf16/fp16 weights round small updates away), the optimizer skips them, or a "
+                "hook restores them. Fix: train adapters in float32, raise the learning rate, check the optimizer.",
+                unchanged,
+            )
+
+
+def install_doctor(
+    dp_optimizer: DPOptimizer, module: Any, *, accountant: Any = None, mode: DoctorSetting = True
+) -> Doctor | None:
+    """Attach a :class:`Doctor` (``None`` when ``mode`` is off). Install it right after ``make_private``."""
+    resolved = resolve_mode(mode)
+    if resolved is None:
+        return None
+    return Doctor(dp_optimizer, module, accountant=accountant, mode=resolved)
