@@ -1,5 +1,5 @@
-"""2-step smoke runs of the harness's commands (dp-bench centralized, regime-map, federated, noise-std) on the tiny
-model, plus their math."""
+"""2-step smoke runs of the harness's commands (dp-bench centralized, regime-map, noise-std) on the tiny model, plus
+their math (dp-bench federated: tests/test_federated_bench.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("datasets")
 from dp_bench import analysis as A  # noqa: E402
 from dp_bench.adapters import Trainable  # noqa: E402
-from dp_bench.commands import centralized, federated, regime_map  # noqa: E402
+from dp_bench.commands import centralized, regime_map  # noqa: E402
 
 
 def test_crossing_step_interpolates_between_checkpoints() -> None:
@@ -119,54 +119,6 @@ def test_mean_curve_and_speedup_on_mean_curves() -> None:
     mc = centralized._mean_curve(runs)
     assert mc == [(0, 0.5), (10, pytest.approx(0.6)), (20, pytest.approx(0.8))]
     assert centralized.crossing_step(mc, 0.7) == pytest.approx(15.0)
-
-
-def test_federated_smoke_resume_and_replot(tmp_path: Path) -> None:
-    out, png = tmp_path / "fed.json", tmp_path / "fed.png"
-    argv = ["--smoke", "--out", str(out), "--plot", str(png), "--no-progress", "--threads", "1"]
-    res = federated.main(argv)
-    runs = res["runs"]
-    assert [r["method"] for r in runs] == list(federated.METHODS)
-    for r in runs:
-        assert len(r["accuracy"]) == 3 and len(r["train_loss"]) == 2  # initial + 2 rounds
-        assert 0 < r["max_epsilon"] <= 1.0 + 0.01
-        assert all(len(v) == 1 for v in r["noise_multipliers"].values())
-    # every method saw the same data, partition and initial adapter, and the same calibrated σ per client
-    assert len({r["accuracy"][0] for r in runs}) == 1
-    assert len({json.dumps(r["noise_multipliers"], sort_keys=True) for r in runs}) == 1
-    assert len({json.dumps(r["partition"], sort_keys=True) for r in runs}) == 1
-    block = res["summary"]["1"]
-    assert set(block["methods"]) == set(federated.METHODS)
-    assert block["comparisons"]["la_minus_dp_lora"] == pytest.approx(
-        block["methods"]["la-lora"]["final"][0] - block["methods"]["dp-lora"]["final"][0]
-    )
-    assert png.stat().st_size > 0
-    data = json.loads(out.read_text())
-    assert data["config"]["frozen_layers"] == 1 and data["versions"]["torch"]
-    # --resume: nothing left to run, the runs are kept as they were
-    again = federated.main(argv + ["--resume"])
-    assert again["runs"] == json.loads(json.dumps(runs))
-    with pytest.raises(SystemExit, match="different configuration"):
-        federated.main(argv + ["--resume", "--lr", "0.01"])
-    assert federated.main(["--replot", "--out", str(out), "--plot", str(png)])["summary"]["1"]["comparisons"]
-
-
-def test_federated_summary_math() -> None:
-    def run(method: str, seed: int, acc: list[float]) -> dict:
-        return {"method": method, "epsilon": 1.0, "seed": seed, "accuracy": acc, "max_epsilon": 1.0, "wall_s": 1.0}
-
-    runs = [run("dp-lora", 0, [0.5, 0.6, 0.6]), run("dp-lora", 1, [0.5, 0.6, 0.8]),
-            run("ffa-lora", 0, [0.5, 0.7, 0.72]), run("rolora", 0, [0.5, 0.5, 0.74]),
-            run("la-lora-nofilter", 0, [0.5, 0.6, 0.7]), run("la-lora", 0, [0.5, 0.6, 0.9])]
-    s = federated.summarize(runs, list(federated.METHODS), [1.0])["1"]
-    assert s["methods"]["dp-lora"]["final"] == (pytest.approx(0.7), pytest.approx(0.1414, abs=1e-4))
-    assert s["methods"]["dp-lora"]["last3"][0] == pytest.approx(0.65)  # mean of rounds 1..2 per seed, then seeds
-    cmp = s["comparisons"]
-    assert cmp["la_minus_dp_lora"] == pytest.approx(0.2)
-    assert cmp["la_minus_best_ffa_rolora"] == pytest.approx(0.9 - 0.74)
-    assert cmp["filter_gain"] == pytest.approx(0.2)
-    assert cmp["la_minus_dp_lora_last3"] == pytest.approx(0.75 - 0.65)  # la-lora last-3: mean(0.6, 0.9)
-    assert federated.last_k_mean([0.5, 0.1, 0.2, 0.3, 0.4], 3) == pytest.approx(0.3)
 
 
 def test_noise_std_command_prints_every_case(capsys) -> None:

@@ -6,14 +6,18 @@
   (``$OPACUS_SPECTRAL_BENCH_CACHE`` or ``~/.cache/opacus-spectral-bench``) and reused by every command; the split
   check ``top(cache(x)) == full(x)`` runs whenever a cache is built.
 * :func:`tiny` and :func:`minilm_rt` — task factories for ``peft_lalora``'s federations
-  (``FederationConfig(task="dp_bench.task:tiny")``); ``task_options='{"frozen_layers": k, "pooling": "mean"}'``
-  freezes and caches the bottom ``k`` layers there too.
+  (``FederationConfig(task="dp_bench.task:tiny")``), configured by ``task_options`` (:class:`TaskOptions`):
+  ``{"frozen_layers": k, "pooling": "mean"}`` freezes and caches the bottom ``k`` layers there too;
+  ``{"split_seed": 0, "val_size": 1000, "eval_split": "val"}`` fixes the test/validation split across training
+  seeds and evaluates on the validation split; ``{"head": "fixed"}`` leaves only the adapters trainable.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +27,11 @@ from peft_lalora.federated.task import Task, subsample, to_tensor_dataset
 from torch import nn
 
 from . import data as D
-from .frozen import BertTop, encode_bottom, split_error
+from .fixed_head import fix_classifier
+from .frozen import POOLINGS, BertTop, encode_bottom, split_error
 
-__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "carve_validation", "fashion_mnist_task", "frozen_text_task",
-           "minilm_rt", "tiny"]  # fmt: skip
+__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "TaskOptions", "carve_validation", "encode_bottom_memo",
+           "fashion_mnist_task", "frozen_text_task", "minilm_rt", "tiny"]  # fmt: skip
 
 FROZEN_INPUTS = ("inputs_embeds", "attention_mask")
 
@@ -161,6 +166,92 @@ def fashion_mnist_task(val_size: int = 5000, split_seed: int = 0, root: str | No
 
 
 # ------------------------------------------------------------------------------------------- federated
+@dataclass(frozen=True)
+class TaskOptions:
+    """The ``task_options`` of :func:`tiny` and :func:`minilm_rt` (``FederationConfig.task_options``, a JSON object).
+
+    ``split_seed`` seeds the test subsample and the validation split; without it they follow the run's seed (the
+    behaviour before the option existed). A fixed ``split_seed`` keeps the same test and validation examples for
+    every training seed: the seed then changes the partition, the initializations and the noise only.
+    ``val_size > 0`` carves that many examples from the training split (:func:`carve_validation`) — they are never
+    trained on; ``eval_split="val"`` makes them the set the server evaluates (choosing learning rates),
+    ``"test"`` the test split. ``head="fixed"`` keeps the classifier at its seeded random initialization
+    (:func:`~dp_bench.fixed_head.fix_classifier`): only the LoRA factors train.
+    """
+
+    frozen_layers: int = 0
+    pooling: str = "cls"
+    split_seed: int | None = None
+    val_size: int = 0
+    eval_split: str = "test"
+    head: str = "trainable"
+
+    @classmethod
+    def parse(cls, opts: dict[str, Any]) -> TaskOptions:
+        """Validated options: unknown keys, wrong types and out-of-range values are errors."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(opts) - set(names))
+        if unknown:
+            raise ValueError(f"unknown task_options {unknown}; this task takes {', '.join(names)}")
+        for key in ("frozen_layers", "split_seed", "val_size"):
+            v = opts.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"task_options {key} must be an integer, got {v!r}")
+        out = cls(**opts)
+        if out.frozen_layers < 0:
+            raise ValueError(f"frozen_layers must be >= 0, got {out.frozen_layers}")
+        if out.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {out.pooling!r}")
+        if out.pooling != "cls" and out.frozen_layers == 0:
+            raise ValueError("pooling='mean' is implemented by the frozen-bottom model only: set frozen_layers >= 1")
+        if out.split_seed is not None and out.split_seed < 0:
+            raise ValueError(f"split_seed must be >= 0, got {out.split_seed}")
+        if out.val_size < 0:
+            raise ValueError(f"val_size must be >= 0, got {out.val_size}")
+        if out.eval_split not in ("val", "test"):
+            raise ValueError(f"eval_split must be 'val' or 'test', got {out.eval_split!r}")
+        if out.eval_split == "val" and out.val_size == 0:
+            raise ValueError("eval_split='val' needs val_size > 0")
+        if out.head not in ("trainable", "fixed"):
+            raise ValueError(f"head must be 'trainable' or 'fixed', got {out.head!r}")
+        return out
+
+    def seed(self, run_seed: int) -> int:
+        """The seed of the test subsample and validation split."""
+        return run_seed if self.split_seed is None else self.split_seed
+
+
+#: bottom-layer encodings kept in memory, by fingerprint of (bottom weights, inputs, k): with a fixed split every
+#: training seed of a grid encodes the same examples with the same pretrained layers
+_MEMO: OrderedDict[str, torch.Tensor] = OrderedDict()
+MEMO_SIZE = 3
+
+
+def _fingerprint(tensors: list[torch.Tensor | None]) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        if t is not None:
+            h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+            h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def encode_bottom_memo(full: nn.Module, k: int, cols: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`~dp_bench.frozen.encode_bottom`, reusing an earlier result for the same weights, inputs and ``k``."""
+    bert = full.bert
+    weights = [*bert.embeddings.state_dict().values(),
+               *(v for layer in bert.encoder.layer[:k] for v in layer.state_dict().values())]  # fmt: skip
+    key = f"k{k}:" + _fingerprint([*weights, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids")])
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]
+    hidden = encode_bottom(full, k, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids"))
+    _MEMO[key] = hidden
+    while len(_MEMO) > MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return hidden
+
+
 class CachedTask(Task):
     """A federated :class:`~peft_lalora.federated.task.Task` whose bottom ``k`` layers are frozen: its tensors are
     the cached hidden states, its model is :class:`~dp_bench.frozen.BertTop` (LoRA goes on the layers above)."""
@@ -170,9 +261,7 @@ class CachedTask(Task):
         hidden = {}
         for split, ds in (("train", raw.train), ("test", raw.test)):
             cols = dict(zip(raw.columns, to_tensor_dataset(ds, raw.columns).tensors, strict=True))
-            hidden[split] = encode_bottom(
-                full, k, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids")
-            )
+            hidden[split] = encode_bottom_memo(full, k, cols)
         factory = raw.model_factory
         super().__init__(
             name=f"{raw.name}[frozen {k}]",
@@ -199,46 +288,56 @@ class CachedTask(Task):
         return torch.utils.data.TensorDataset(*[cols[c] for c in self.columns])
 
 
-def _frozen(task: Task, cfg: Any) -> Task:
-    opts = cfg.task_option_dict()
-    unknown = sorted(set(opts) - {"frozen_layers", "pooling"})
-    if unknown:
-        raise ValueError(f"unknown task_options {unknown}; this task takes frozen_layers and pooling")
-    k = int(opts.get("frozen_layers", 0))
-    pooling = str(opts.get("pooling", "cls"))
-    if k < 0:
-        raise ValueError(f"frozen_layers must be >= 0, got {k}")
-    if pooling != "cls" and k == 0:
-        raise ValueError("pooling='mean' is implemented by the frozen-bottom model only: set frozen_layers >= 1")
-    return CachedTask(task, k, pooling) if k else task
+def _split_eval(train: Any, test: Any, opts: TaskOptions, split_seed: int) -> tuple[Any, Any]:
+    """(training split, the split the server evaluates): the validation split is carved from ``train``."""
+    if not opts.val_size:
+        return train, test
+    rows = torch.utils.data.TensorDataset(torch.arange(train.num_rows))
+    keep, val = (d.tensors[0].tolist() for d in carve_validation(rows, opts.val_size, split_seed))
+    return train.select(keep), (train.select(val) if opts.eval_split == "val" else test)
+
+
+def _federated(name: str, cfg: Any, opts: TaskOptions, splits: tuple[Any, Any], num_labels: int,
+               columns: tuple[str, ...], make: Any, group_column: str | None = None) -> Task:  # fmt: skip
+    """The task from its raw splits: validation carved, head fixed if asked, bottom layers cached if asked."""
+    train, evaluated = _split_eval(*splits, opts, opts.seed(cfg.seed))
+
+    def model() -> nn.Module:
+        return fix_classifier(make()) if opts.head == "fixed" else make()
+
+    task = Task(f"{name}[{opts.eval_split}]", train, evaluated, num_labels, columns, model_factory=model,
+                group_column=group_column)  # fmt: skip
+    return CachedTask(task, opts.frozen_layers, opts.pooling) if opts.frozen_layers else task
 
 
 def tiny(cfg: Any) -> Task:
     """Federated task: the tiny random BERT on the synthetic trigger-token task (smoke runs and tests)."""
+    opts = TaskOptions.parse(cfg.task_option_dict())
     n_lab = cfg.num_labels or 2
     seq = cfg.seq_len or 16
-    train = D.synthetic_text_task(cfg.n_train or 512, seq_len=seq, seed=cfg.seed, num_labels=n_lab)
-    test = D.synthetic_text_task(cfg.n_test or 256, seq_len=seq, seed=cfg.seed + 10_007, num_labels=n_lab)
+    s = opts.seed(cfg.seed)
+    train = D.synthetic_text_task(cfg.n_train or 512, seq_len=seq, seed=s, num_labels=n_lab)
+    test = D.synthetic_text_task(cfg.n_test or 256, seq_len=seq, seed=s + 10_007, num_labels=n_lab)
     cols = ("input_ids", "attention_mask", "token_type_ids", "label")
     seed = cfg.seed
-    task = Task("tiny", train, test, n_lab, cols, model_factory=lambda: D.tiny_bert(num_labels=n_lab, seed=seed))
-    return _frozen(task, cfg)
+    return _federated("tiny", cfg, opts, (train, test), n_lab, cols, lambda: D.tiny_bert(num_labels=n_lab, seed=seed))
 
 
 def minilm_rt(cfg: Any) -> Task:
     """Federated task: all-MiniLM-L6-v2 on packaged Rotten Tomatoes (grouped by ``movie_name`` if asked)."""
     from transformers import AutoTokenizer
 
-    splits = D.load_rotten_tomatoes("packaged", seed=cfg.seed)
+    opts = TaskOptions.parse(cfg.task_option_dict())
+    s = opts.seed(cfg.seed)
+    splits = D.load_rotten_tomatoes("packaged", seed=s)
     tokenizer = AutoTokenizer.from_pretrained(D.minilm_path(), local_files_only=True)
     seq = cfg.seq_len or 64
-    train = D.tokenize(subsample(splits["train"], cfg.n_train, cfg.seed), tokenizer, max_length=seq)
-    test = D.tokenize(subsample(splits["test"], cfg.n_test, cfg.seed + 1), tokenizer, max_length=seq)
+    train = D.tokenize(subsample(splits["train"], cfg.n_train, s), tokenizer, max_length=seq)
+    test = D.tokenize(subsample(splits["test"], cfg.n_test, s + 1), tokenizer, max_length=seq)
     cols = tuple(c for c in ("input_ids", "attention_mask", "token_type_ids", "label") if c in train.column_names)
     seed = cfg.seed
 
     def make() -> nn.Module:
         return D.load_minilm(num_labels=2, seed=seed)[0]
 
-    task = Task("minilm-rt", train, test, 2, cols, model_factory=make, group_column="movie_name")
-    return _frozen(task, cfg)
+    return _federated("minilm-rt", cfg, opts, (train, test), 2, cols, make, group_column="movie_name")

@@ -1,32 +1,42 @@
-"""Federated benchmark (LA-LoRA paper): DP-LoRA, FFA-LoRA, RoLoRA, LA-LoRA without and with its low-pass filter.
+"""Federated benchmark (LA-LoRA paper): DP-LoRA, FFA-LoRA, RoLoRA, LA-LoRA without and with its low-pass filter,
+with a learning rate per method chosen on a validation split and paired seeds on one fixed test split.
 
 Every method runs the same federation through :func:`peft_lalora.federated.simulation.run_simulation` — same clients,
-non-IID partition, rounds, local steps, Poisson batch size, optimizer, learning rate and per-client (ε, δ)
-(σ calibrated by Opacus's accountant for rounds × local_steps steps) — at each ε and seed. The four LoRA
-schemes are four values of ``LALoraConfig.alternation``; "la-lora+binomial5" adds the paper's
-``[1,4,6,4,1]/16`` post-noise filter (post-processing, no privacy cost).
+partition, rounds, local steps, Poisson batch size, optimizer and per-client (ε, δ) (σ calibrated by the client's
+accountant for rounds × local_steps steps) — at each ε and seed. The four LoRA schemes are four values of
+``LALoraConfig.alternation``; "la-lora" adds the paper's ``[1,4,6,4,1]/16`` post-noise filter (post-processing).
 
-Task (``--model minilm-rt``, :func:`dp_bench.task.minilm_rt`): all-MiniLM-L6-v2 on packaged Rotten Tomatoes
-(offline), the bottom ``--frozen-layers`` encoder layers frozen and computed once per seed (exact:
-:mod:`dp_bench.frozen`), LoRA on query/value of the layers above plus the classifier head.
-The data split, partition and adapter initialisation follow the seed; ``--reproducible-noise`` (default on
-here) seeds the DP noise from (seed, client, round) so that every number can be regenerated exactly — an
-experiment setting, not a deployment one (see docs/federated.md).
+Task (:func:`dp_bench.task.minilm_rt`, ``--model tiny`` for smoke runs): all-MiniLM-L6-v2 on packaged Rotten
+Tomatoes, the bottom ``--frozen-layers`` encoder layers frozen and computed once, LoRA on ``--target-modules`` of the
+layers above, the classifier head trainable or fixed at its seeded initialization (``--head fixed``: only the
+adapters learn). The test split and the validation split (``--val-size`` examples carved from the training split,
+never trained on) are fixed by ``--split-seed`` for every seed; the seed changes the partition, the head and adapter
+initialization and the noise (seeded from (seed, client, round): ``reproducible_noise``, an experiment setting).
 
-Writes ``docs/results/federated.json`` (config, versions, machine, raw per-round curves of every run, the
-summary) after every run — a rerun with ``--resume`` skips the runs already there — and
-``docs/results/federated.png`` (accuracy vs round, mean ± std over seeds, one panel per ε).
+Protocol, in the order the command runs it:
 
-    dp-bench federated                      # the full grid (see docs/results.md for its wall time)
-    dp-bench federated --replot             # redraw the PNG and print the tables from the JSON
-    dp-bench federated --smoke --out /tmp/f.json   # tiny model, 2 rounds: checks the plumbing
+1. Tuning: for each method, every lr of ``--lr-grid`` at ``--tune-epsilon`` with ``--tune-seed`` (not an evaluation
+   seed), evaluated on the validation split; the lr with the best mean validation accuracy over the last three
+   rounds is chosen; a best value at an end of what was tried extends the grid by a factor 2
+   (:func:`dp_bench.lr_rule.lr_edge_step`, at most ``--max-extensions`` times). A grid of one value fixes the lr.
+   LA-LoRA without its filter uses LA-LoRA's lr (``--share-filter-lr``: the filter's gain at equal settings).
+   ``--lr-from other.json`` takes another grid's choice (and copies its tuning runs) instead of tuning.
+2. Evaluation: every (seed, ε, method) with the method's lr, evaluated on the test split after every round.
+3. Report (:mod:`.federated_report`): paired differences with 95 % t-intervals, verdicts at ε = 1; the gradient
+   share (:mod:`dp_bench.probe`) of head / lora_A / lora_B at initialization and after the last round, per run.
+
+Writes ``--out`` (config, versions, machine, every run's raw per-round curves, the lr choice, the analysis) after
+every run — ``--resume`` keeps the runs already there — and the plot (``--plot``, default: ``--out`` with .png).
+
+    dp-bench federated --out docs/results/federated_dir.json            # see docs/results.md for the protocol
+    dp-bench federated --out docs/results/federated_dir.json --replot   # tables + PNG from the JSON
+    dp-bench federated --smoke --out /tmp/f.json                        # tiny model: checks the plumbing
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -36,18 +46,18 @@ from typing import Any
 
 import torch
 from peft_lalora.federated.federation import FederationConfig
-from peft_lalora.federated.task import build_task
+from peft_lalora.federated.task import Task, build_task
 
-from ..analysis import fmt, mean_std
-from ..config import as_json, opt, parse_config
+from ..config import as_json, command_line, opt, parse_config
+from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..probe import probe_federation
+from . import federated_report as report
 
 #: --model -> the task factory (dp_bench.task)
 TASKS = {"minilm-rt": "dp_bench.task:minilm_rt", "tiny": "dp_bench.task:tiny"}
 #: grid fields passed to FederationConfig under the same name (``model`` here names the task, not a model folder)
 FEDERATION_FIELDS = {f.name for f in dataclasses.fields(FederationConfig)} - {"model"}
-
-
 #: method name -> (algo, filter)
 METHODS: dict[str, tuple[str, str]] = {
     "dp-lora": ("dp-lora", "none"),
@@ -56,238 +66,266 @@ METHODS: dict[str, tuple[str, str]] = {
     "la-lora-nofilter": ("la-lora", "none"),
     "la-lora": ("la-lora", "binomial5"),
 }
-LABELS = {
-    "dp-lora": "DP-LoRA",
-    "ffa-lora": "FFA-LoRA",
-    "rolora": "RoLoRA",
-    "la-lora-nofilter": "LA-LoRA w/o filter",
-    "la-lora": "LA-LoRA (binomial5 filter)",
-}
+#: options that may change between invocations of one grid (``--resume``)
+RESUMABLE = {"resume", "seeds", "methods", "epsilons", "progress", "threads", "out", "plot", "replot"}
 
 
 @dataclass
 class Config:
     model: str = opt("minilm-rt", "task", choices=tuple(TASKS))
     methods: list[str] = opt(list(METHODS), "methods: " + ", ".join(METHODS))
-    epsilons: list[float] = opt([1.0, 3.0], "target ε per client")
-    seeds: list[int] = opt([0, 1, 2], "seeds")
-    num_clients: int = opt(4, "clients")
+    epsilons: list[float] = opt([1.0], "target ε per client")
+    seeds: list[int] = opt([0, 1, 2, 3, 4], "evaluation seeds (paired across methods)")
+    num_clients: int = opt(10, "clients")
     partition: str = opt("dirichlet", "client split", choices=("dirichlet", "group", "iid"))
-    alpha: float = opt(0.1, "Dirichlet concentration")
-    rounds: int = opt(12, "federated rounds")
+    alpha: float = opt(1.0, "Dirichlet concentration (partition=dirichlet)")
+    rounds: int = opt(20, "federated rounds")
     local_steps: int = opt(5, "local DP steps per round")
     fraction: float = opt(1.0, "fraction of clients per round")
-    batch_size: int = opt(128, "expected Poisson batch size")
-    lr: float = opt(3.0, "SGD lr (chosen on DP-LoRA, ε = 3, seed 0: see docs/results.md)")
+    batch_size: int = opt(64, "expected Poisson batch size")
     optimizer: str = opt("sgd", "client optimizer", choices=("sgd", "adamw"))
     max_grad_norm: float = opt(1.0, "clipping bound C")
     delta: float = opt(1e-5, "δ")
+    accountant: str = opt("rdp", "the clients' accountant (σ calibration and ε spent)", choices=("rdp", "prv", "gdp"))
     rank: int = opt(4, "LoRA rank")
     lora_alpha: int = opt(8, "LoRA alpha")
+    target_modules: str = opt("query,value", "LoRA target modules (of the layers above the frozen ones)")
     frozen_layers: int = opt(5, "bottom encoder layers frozen and computed once")
     pooling: str = opt("mean", "sentence representation", choices=("cls", "mean"))
+    head: str = opt("trainable", "classifier head: trainable, or fixed at its seeded initialization",
+                    choices=("trainable", "fixed"))  # fmt: skip
     seq_len: int = opt(48, "tokens per example")
     n_train: int = opt(0, "0 = the whole training split")
-    n_test: int = opt(1000, "test examples")
+    n_test: int = opt(0, "0 = the whole test split")
+    split_seed: int = opt(0, "seed of the test subsample and the validation split (the same for every seed)")
+    val_size: int = opt(1000, "validation examples carved from the training split")
+    lr_grid: list[float] = opt([0.5, 1.0, 2.0, 4.0], "learning rates tried per method (one value: no tuning)",
+                               type=float)  # fmt: skip
+    tune_seed: int = opt(100, "seed of the tuning runs (not an evaluation seed)")
+    tune_epsilon: float = opt(1.0, "ε of the tuning runs")
+    max_extensions: int = opt(3, "edge extensions of the lr grid (factor 2 each)")
+    share_filter_lr: bool = opt(True, "la-lora-nofilter uses la-lora's tuned lr (the filter's gain at equal settings)")
+    lr_from: Path = opt(Path(""), "take the lr choice and its tuning runs from this grid JSON instead of tuning here")
+    probe_examples: int = opt(64, "training examples of the gradient-share probe (0 = no probe)")
     reproducible_noise: bool = opt(True, "seed the DP noise from (seed, client, round): experiments only")
     threads: int = opt(2, "torch threads")
-    out: Path = opt(RESULTS / "federated.json", "result JSON")
-    plot: Path = opt(RESULTS / "federated.png", "plot")
-    resume: bool = opt(False, "skip runs already in --out (same configuration)")
-    no_progress: bool = opt(False, "no progress bars")
-    replot: bool = opt(False, "only redraw --plot and print the tables from --out")
-    smoke: bool = opt(False, "tiny model, 1 seed, 2 rounds × 2 steps, ε = 1")
+    out: Path = opt(RESULTS / "federated_paired.json", "result JSON")
+    plot: Path = opt(Path(""), "plot (default: --out with .png)")
+    resume: bool = opt(False, "keep the runs already in --out (same configuration)")
+    progress: bool = opt(True, "progress bars (--no-progress: none)")
+    replot: bool = opt(False, "only redraw the plot and print the tables from --out")
+    smoke: bool = opt(False, "tiny model, 2 seeds, 2 rounds × 2 steps, ε = 1, two learning rates")
 
     def validate(self) -> None:
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+        if not self.lr_grid or min(self.lr_grid) <= 0:
+            raise ValueError("--lr-grid needs at least one learning rate, all > 0")
+        tuning_here = len(self.lr_grid) > 1 and self.lr_from == Path("")
+        if self.lr_from != Path("") and not self.lr_from.is_file():
+            raise ValueError(f"--lr-from {self.lr_from}: no such file")
+        if self.tune_seed in self.seeds and tuning_here:
+            raise ValueError(f"--tune-seed {self.tune_seed} is an evaluation seed; tune on another one")
+        if self.val_size < 1 and tuning_here:
+            raise ValueError("tuning (more than one lr) needs a validation split: --val-size > 0")
+        if self.max_extensions < 0:
+            raise ValueError("--max-extensions must be >= 0")
         if self.smoke:
-            self.model, self.seeds, self.epsilons, self.rounds, self.local_steps = "tiny", [0], [1.0], 2, 2
-            self.n_train, self.n_test, self.seq_len, self.frozen_layers, self.num_clients = 128, 64, 16, 1, 4
-            self.batch_size, self.rank, self.lora_alpha = 8, 4, 8
+            self.model, self.seeds, self.epsilons, self.rounds, self.local_steps = "tiny", [0, 1], [1.0], 2, 2
+            self.n_train, self.n_test, self.seq_len, self.frozen_layers, self.num_clients = 160, 64, 16, 1, 4
+            self.batch_size, self.rank, self.lora_alpha, self.val_size = 8, 4, 8, 32
+            self.lr_grid, self.max_extensions, self.probe_examples = [0.5, 1.0], 1, 8
+        if self.plot == Path(""):
+            self.plot = self.out.with_suffix(".png")
 
 
-def base_config(args: Config, seed: int, epsilon: float, method: str) -> FederationConfig:
-    """The run's ``FederationConfig``: the grid's fields of the same name, the task, and the method's scheme."""
+def task_options(args: Config, eval_split: str) -> str:
+    """The task factory's options (:class:`dp_bench.task.TaskOptions`) as JSON."""
+    opts: dict[str, Any] = {"split_seed": args.split_seed, "head": args.head}
+    if args.frozen_layers:
+        opts.update(frozen_layers=args.frozen_layers, pooling=args.pooling)
+    if args.val_size:
+        opts.update(val_size=args.val_size, eval_split=eval_split)
+    return json.dumps(opts, sort_keys=True)
+
+
+def base_config(args: Config, seed: int, epsilon: float, method: str, lr: float, eval_split: str) -> FederationConfig:
+    """The run's ``FederationConfig``: the grid's fields of the same name, the task, the method's scheme and lr."""
     algo, filt = METHODS[method]
     shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name in FEDERATION_FIELDS}
-    options = {"frozen_layers": args.frozen_layers, "pooling": args.pooling} if args.frozen_layers else {}
-    return FederationConfig(**shared, task=TASKS[args.model], task_options=json.dumps(options) if options else "",
-                            algo=algo, filter=filt, seed=seed, epsilon=epsilon)  # fmt: skip
+    return FederationConfig(**shared, task=TASKS[args.model], task_options=task_options(args, eval_split), algo=algo,
+                            filter=filt, seed=seed, epsilon=epsilon, lr=lr)  # fmt: skip
 
 
-def run_key(method: str, epsilon: float, seed: int) -> str:
-    return f"{method}|eps={epsilon:g}|seed={seed}"
+def run_key(phase: str, method: str, epsilon: float, seed: int, lr: float) -> str:
+    return f"{phase}|{method}|eps={epsilon:g}|seed={seed}|lr={lr:g}"
 
 
-def run_record(method: str, epsilon: float, seed: int, res: Any) -> dict[str, Any]:
-    """The raw record of one run: per-round curves, privacy spent, wall time."""
+def one_run(args: Config, task: Task, phase: str, method: str, epsilon: float, seed: int, lr: float) -> dict[str, Any]:
+    """Run one federation and return its raw record: per-round curves, privacy spent, gradient shares."""
+    from peft_lalora.federated.simulation import run_simulation
+
+    eval_split = "val" if phase == "tune" else "test"
+    cfg = base_config(args, seed, epsilon, method, lr, eval_split)
+    cpu0 = time.process_time()
+    res = run_simulation(cfg, progress=args.progress, task=task)
+    cpu_s = time.process_time() - cpu0
     out = res.to_json()
+    share = {}
+    if args.probe_examples:
+        share = {"init": probe_federation(cfg, task, None, args.probe_examples),
+                 "final": probe_federation(cfg, task, res.state, args.probe_examples)}  # fmt: skip
     return {
-        "method": method,
-        "epsilon": epsilon,
-        "seed": seed,
-        "accuracy": out["accuracy"],
-        "test_loss": [res.initial["loss"], *(r.loss for r in res.rounds)],
-        "train_loss": [r.train_loss for r in res.rounds],
-        "max_epsilon": out["max_epsilon"],
+        "phase": phase, "method": method, "algo": cfg.algo, "filter": cfg.filter, "epsilon": epsilon, "seed": seed,
+        "lr": lr, "eval_split": eval_split, "n_eval": len(task.test), "n_train": len(task.train),
+        "num_clients": cfg.num_clients, "partition": cfg.partition, "alpha": cfg.alpha, "fraction": cfg.fraction,
+        "rounds": cfg.rounds, "local_steps": cfg.local_steps, "accuracy": out["accuracy"],
+        "eval_loss": [res.initial["loss"], *(r.loss for r in res.rounds)],
+        "train_loss": [r.train_loss for r in res.rounds], "max_epsilon": out["max_epsilon"],
         "client_epsilon": out["epsilon"],
         "noise_multipliers": {c: v["noise_multipliers"] for c, v in out["privacy"]["clients"].items()},
         "sample_rates": {c: v["sample_rates"] for c, v in out["privacy"]["clients"].items()},
-        "failed_rounds": out["failed_rounds"],
-        "partition": out["partition"],
-        "wall_s": out["wall_s"],
-    }
+        "failed_rounds": out["failed_rounds"], "partition_summary": out["partition"], "wall_s": out["wall_s"],
+        "cpu_s": cpu_s, "epsilon_other": other_accountant(cfg, out["privacy"]["clients"]), "grad_share": share,
+    }  # fmt: skip
 
 
-def last_k_mean(acc: Sequence[float], k: int) -> float:
-    """Mean test accuracy over the last ``k`` rounds (smooths round-to-round FedAvg oscillation)."""
-    tail = [a for a in acc[1:][-k:] if math.isfinite(a)]
-    return sum(tail) / len(tail) if tail else float("nan")
+def other_accountant(cfg: FederationConfig, clients: dict[str, Any]) -> dict[str, Any]:
+    """Every client's ε under the other accountant (PRV beside RDP, RDP otherwise), from its (σ, q, steps) —
+    for clients that ran one (σ, q), i.e. all of them in these grids."""
+    from peft_lalora.federated.ledger import epsilon_from_history
+
+    other = "prv" if cfg.accountant == "rdp" else "rdp"
+    eps = {}
+    for c, v in clients.items():
+        if len(v["noise_multipliers"]) == 1 and len(v["sample_rates"]) == 1:
+            steps = max(v["steps"], v["charged_steps"])
+            eps[c] = epsilon_from_history([(v["noise_multipliers"][0], v["sample_rates"][0], steps)], cfg.delta, other)
+    return {"accountant": other, "max_epsilon": max(eps.values(), default=float("nan")), "clients": eps}
 
 
-def summarize(runs: Sequence[dict[str, Any]], methods: Sequence[str], epsilons: Sequence[float]) -> dict[str, Any]:
-    """Per (ε, method): final and last-3-rounds accuracy, mean ± std over seeds; and the paper's two
-    comparisons at each ε (LA-LoRA − DP-LoRA, LA-LoRA − best of FFA-LoRA/RoLoRA) and the filter's gain, from
-    seed means of the final accuracy (and, suffixed ``_last3``, of the last-3-rounds accuracy)."""
-    table: dict[str, Any] = {}
-    for eps in epsilons:
-        row: dict[str, Any] = {}
-        for m in methods:
-            rs = [r for r in runs if r["method"] == m and r["epsilon"] == eps]
-            if not rs:
-                continue
-            row[m] = {
-                "seeds": sorted(r["seed"] for r in rs),
-                "final": mean_std([r["accuracy"][-1] for r in rs]),
-                "last3": mean_std([last_k_mean(r["accuracy"], 3) for r in rs]),
-                "max_epsilon": max(r["max_epsilon"] for r in rs),
-                "wall_s": mean_std([r["wall_s"] for r in rs]),
-            }
-        cmp: dict[str, Any] = {}
-        if "la-lora" in row:
-            for metric, suffix in (("final", ""), ("last3", "_last3")):
-                la = row["la-lora"][metric][0]
-                if "dp-lora" in row:
-                    cmp["la_minus_dp_lora" + suffix] = la - row["dp-lora"][metric][0]
-                rivals = [row[m][metric][0] for m in ("ffa-lora", "rolora") if m in row]
-                if rivals:
-                    cmp["la_minus_best_ffa_rolora" + suffix] = la - max(rivals)
-                if "la-lora-nofilter" in row:
-                    cmp["filter_gain" + suffix] = la - row["la-lora-nofilter"][metric][0]
-        table[f"{eps:g}"] = {"methods": row, "comparisons": cmp}
-    return table
+def same_config(stored: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a stored grid was made with this configuration, up to the options of :data:`RESUMABLE`."""
+    keys = (set(stored) | set(now)) - RESUMABLE
+    return all(stored.get(k) == now.get(k) for k in keys)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+class Grid:
+    """The JSON of one grid, written after every run, and the tasks its runs share (built once each)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    def __init__(self, args: Config, argv: Sequence[str] | None) -> None:
+        self.args = args
+        config = as_json(args)
+        old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else None
+        if old is not None and not same_config(old["config"], config):
+            raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
+        self.result: dict[str, Any] = {"runs": [], "lr_choice": {}, **(old or {})}
+        self.result.update(command=command_line("federated", argv), config=config)
+        self.done = {run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]) for r in self.result["runs"]}
+        self.task: Task | None = None
+        self.task_for: tuple[int, str] | None = None
 
-    epsilons = result["config"]["epsilons"]
-    fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 4), squeeze=False, sharey=True)
-    for ax, eps in zip(axes[0], epsilons, strict=True):
-        for m in result["config"]["methods"]:
-            curves = [r["accuracy"] for r in result["runs"] if r["method"] == m and r["epsilon"] == eps]
-            if not curves:
-                continue
-            a = np.asarray(curves, dtype=float)
-            mu, sd = a.mean(0), a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1])
-            x = np.arange(a.shape[1])
-            ax.plot(x, mu, label=f"{LABELS[m]} (n={len(a)})")
-            ax.fill_between(x, mu - sd, mu + sd, alpha=0.15)
-        ax.set_title(f"ε = {eps:g} per client, δ = {result['config']['delta']:g}")
-        ax.set_xlabel("federated round")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (global adapter)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    cfg = result["config"]
-    clients = cfg.get("num_clients", cfg.get("clients"))  # "clients" in results written before the harness
-    fig.suptitle(
-        f"{cfg['model']}: {clients} clients, {cfg['partition']} α={cfg['alpha']}, {cfg['rounds']} rounds × "
-        f"{cfg['local_steps']} local steps, B={cfg['batch_size']}, {cfg['optimizer']} lr={cfg['lr']}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    def task_of(self, seed: int, eval_split: str) -> Task:
+        if self.task_for != (seed, eval_split):
+            self.task = None  # free the previous task's tensors first
+            t0 = time.perf_counter()
+            m = self.args.methods[0]
+            self.task = build_task(base_config(self.args, seed, self.args.tune_epsilon, m, 1.0, eval_split))
+            self.task_for = (seed, eval_split)
+            print(f"task for seed {seed} ({eval_split}) built in {time.perf_counter() - t0:.1f} s", flush=True)
+            self.result.setdefault("data", {})[eval_split] = {"train": len(self.task.train), "evaluated":
+                                                             len(self.task.test), "split_seed": self.args.split_seed}
+        assert self.task is not None
+        return self.task
+
+    def run(self, phase: str, method: str, epsilon: float, seed: int, lr: float) -> None:
+        key = run_key(phase, method, epsilon, seed, lr)
+        if key in self.done:
+            return
+        rec = one_run(self.args, self.task_of(seed, "val" if phase == "tune" else "test"), phase, method, epsilon,
+                      seed, lr)  # fmt: skip
+        self.result["runs"].append(rec)
+        self.done.add(key)
+        acc = rec["accuracy"]
+        print(f"  {key:<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
+              f"{rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s ({rec['cpu_s']:.0f} s CPU)", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.result.update(versions=versions(), machine=machine())
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.result, indent=1, allow_nan=True))
 
 
-def run(args: Config) -> dict[str, Any]:
-    from peft_lalora.federated.simulation import run_simulation
+def tune(grid: Grid, method: str) -> None:
+    """Step 1 of the protocol for ``method``: lr grid (+ edge extensions) on the validation split."""
+    a, choice = grid.args, grid.result["lr_choice"]
+    if method == "la-lora-nofilter" and a.share_filter_lr and "la-lora" in a.methods:
+        if "la-lora" not in choice:
+            tune(grid, "la-lora")
+        choice[method] = {**choice["la-lora"], "val_last3": {}, "tuned": False, "shared_with": "la-lora"}
+        return
+    if len(a.lr_grid) == 1:
+        choice[method] = {"lr": a.lr_grid[0], "val_last3": {}, "tuned": False}
+        return
+    todo = list(a.lr_grid)
+    while todo:
+        for lr in todo:
+            grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
+        tried = {r["lr"]: report.metric(r, "last3") for r in grid.result["runs"] if r["phase"] == "tune"
+                 and r["method"] == method and r["epsilon"] == a.tune_epsilon and r["seed"] == a.tune_seed}  # fmt: skip
+        best, todo = lr_edge_step(tried, a.lr_grid, a.max_extensions)
+    choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
+    grid.save()
 
+
+def borrow_lrs(grid: Grid) -> None:
+    """``--lr-from``: the lr choice of another grid (e.g. tuned on the Dirichlet split, used for the by-movie one),
+    with its tuning runs copied in so that this JSON holds the evidence for every lr it used."""
+    src = json.loads(grid.args.lr_from.read_text())
+    missing = sorted(set(grid.args.methods) - set(src.get("lr_choice", {})))
+    if missing:
+        raise SystemExit(f"--lr-from {grid.args.lr_from} has no lr choice for {missing}")
+    for m in grid.args.methods:
+        grid.result["lr_choice"][m] = {**src["lr_choice"][m], "from": str(grid.args.lr_from)}
+    have = {json.dumps(r, sort_keys=True) for r in grid.result["runs"]}
+    grid.result["runs"] += [r for r in src["runs"] if r.get("phase") == "tune" and r["method"] in grid.args.methods
+                            and json.dumps(r, sort_keys=True) not in have]  # fmt: skip
+    grid.result["lr_from_command"] = src.get("command")
+    grid.save()
+
+
+def run(args: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     quiet_warnings()
     warnings.filterwarnings("ignore", message=".*reproducible_noise=True.*")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    config = as_json(args)
-    result: dict[str, Any] = {"config": config, "runs": []}
-    if args.resume and args.out.is_file():
-        old = json.loads(args.out.read_text())
-        same = {k: v for k, v in old["config"].items() if k not in ("resume", "seeds", "methods", "epsilons")}
-        now = {k: v for k, v in config.items() if k not in ("resume", "seeds", "methods", "epsilons")}
-        if same != now:
-            raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
-        result["runs"] = old["runs"]
-    done = {run_key(r["method"], r["epsilon"], r["seed"]) for r in result["runs"]}
-    t_all = time.perf_counter()
+    grid = Grid(args, argv)
+    t0 = time.perf_counter()
+    if args.lr_from != Path(""):
+        borrow_lrs(grid)
+    for method in args.methods:
+        if method not in grid.result["lr_choice"]:
+            tune(grid, method)
     for seed in args.seeds:
-        todo = [(e, m) for e in args.epsilons for m in args.methods if run_key(m, e, seed) not in done]
-        if not todo:
-            continue
-        t0 = time.perf_counter()
-        task = build_task(base_config(args, seed, args.epsilons[0], args.methods[0]))
-        print(f"seed {seed}: task built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for eps, method in todo:
-            cfg = base_config(args, seed, eps, method)
-            res = run_simulation(cfg, progress=not args.no_progress, task=task)
-            rec = run_record(method, eps, seed, res)
-            result["runs"].append(rec)
-            print(
-                f"  {method:18s} ε={eps:g} seed={seed}: acc {rec['accuracy'][0]:.3f} -> {rec['accuracy'][-1]:.3f} "
-                f"(last-3 {last_k_mean(rec['accuracy'], 3):.3f}), max ε {rec['max_epsilon']:.3f}, "
-                f"{rec['wall_s']:.0f} s",
-                flush=True,
-            )
-            result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
-            result["versions"] = versions()
-            result["machine"] = machine()
-            result["wall_s_this_invocation"] = time.perf_counter() - t_all
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1, allow_nan=True))
-        del task
-    result["summary"] = summarize(result["runs"], args.methods, args.epsilons)
-    if result["runs"]:
-        plot(result, args.plot)
-    print_table(result)
-    return result
-
-
-def print_table(result: dict[str, Any]) -> None:
-    for eps, block in result.get("summary", {}).items():
-        print(f"\nε = {eps}")
-        print("| method | final accuracy | last-3-rounds accuracy | max ε | seeds |")
-        print("|---|---|---|---|---|")
-        for m, s in block["methods"].items():
-            print(f"| {LABELS[m]} | {fmt(s['final'])} | {fmt(s['last3'])} | {s['max_epsilon']:.3f} | {s['seeds']} |")
-        for k, v in block["comparisons"].items():
-            print(f"  {k}: {100 * v:+.1f} points")
-
-
-def replot(args: Config) -> dict[str, Any]:
-    """Regenerate the PNG and the tables from the JSON, without running anything."""
-    result = json.loads(args.out.read_text())
-    cfg = result["config"]
-    result["summary"] = summarize(result["runs"], cfg["methods"], cfg["epsilons"])
-    plot(result, args.plot)
-    print_table(result)
-    return result
+        for eps in args.epsilons:
+            for method in args.methods:
+                grid.run("eval", method, eps, seed, grid.result["lr_choice"][method]["lr"])
+    grid.result["wall_s_this_invocation"] = time.perf_counter() - t0
+    grid.result["analysis"] = report.analyze(grid.result)
+    grid.save()
+    report.plot(grid.result, args.plot)
+    return grid.result
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_config(Config, argv, prog="dp-bench federated", description=__doc__.split("\n")[0])
-    return replot(args) if args.replot else run(args)
+    if args.replot:
+        result = json.loads(args.out.read_text())
+        result["analysis"] = report.analyze(result)
+        report.plot(result, args.plot)
+    else:
+        result = run(args, argv)
+    print(report.tables(result))
+    return result

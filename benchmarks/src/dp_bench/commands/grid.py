@@ -49,6 +49,7 @@ from torch import nn
 
 from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config
+from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
@@ -256,18 +257,9 @@ def _choose_lr(result: dict[str, Any], cfg: Config, phase: str, method: str, opt
     what was tried, return the next value outward (a factor 2; at most ``max_extensions`` times) to try first."""
     prefix = f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
     tried = {float(k[len(prefix):]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
-    best = max(tried, key=lambda lr: (tried[lr], -lr))
-    base = cfg.lr_grid(optimizer, method)
-    lo, hi = min(tried), max(tried)
-    extensions = sum(1 for lr in tried if lr < min(base) or lr > max(base))
+    best, nxt = lr_edge_step(tried, cfg.lr_grid(optimizer, method), max_extensions)
     result["lr_choice"][f"{method}|{optimizer}|B{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
-    if extensions >= max_extensions or len(tried) < 2:
-        return []
-    if best == lo:
-        return [lo / 2]
-    if best == hi:
-        return [hi * 2]
-    return []
+    return nxt
 
 
 def measure_speed(cfg: Config) -> dict[str, Any]:
