@@ -362,7 +362,8 @@ def replot(path: Path, out: Path) -> Path:
                 continue
             xs = [s for s, _ in rs[0]["curve"]]
             ys = np.array([[a for _, a in r["curve"]] for r in rs if len(r["curve"]) == len(xs)])
-            mu, sd = ys.mean(0), ys.std(0)
+            mu = ys.mean(0)
+            sd = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mu)  # sample s.d., as in the tables
             ax.plot(xs, mu, marker="o", ms=3, color=colors[m], label=f"{m} (n={len(ys)})")
             ax.fill_between(xs, mu - sd, mu + sd, color=colors[m], alpha=0.12)
         ax.set_title(f"ε = {eps:g}", fontsize=10)
