@@ -130,3 +130,24 @@ def test_released_oracle_is_exact_without_noise_and_sees_a_scaled_update() -> No
             assert r == pytest.approx(ratio, rel=1e-9)
         for _, _, cos_m, r_m in oracle.per_matrix:
             assert cos_m == pytest.approx(1.0, abs=1e-9) and r_m == pytest.approx(ratio, rel=1e-9)
+
+
+def test_spectral_methods_are_paired_with_the_best_non_spectral_peer() -> None:
+    """The target comparison: each spectral method minus the peer with the highest mean, paired by seed."""
+    from dp_bench.commands import grid_report
+
+    finals = {"none": [0.80, 0.81, 0.82], "ema": [0.81, 0.80, 0.83], "doppler": [0.84, 0.85, 0.83],
+              "rmt": [0.85, 0.87, 0.83], "ema+rmt-js": [0.84, 0.84, 0.84]}  # fmt: skip
+    runs = {f"eval|{m}|sgd|B256|eps3|s{s}|lr1": {"method": m, "optimizer": "sgd", "batch": 256, "target_epsilon": 3.0,
+                                                  "seed": s, "lr": 1.0, "final_test": acc, "steps": 10,
+                                                  "test": [[0, 0.1], [10, acc]]}
+            for m, accs in finals.items() for s, acc in enumerate(accs)}  # fmt: skip
+    result = {"runs": runs, "config": {"epsilons": [3.0], "target_epsilon": 3.0}}
+    peer = grid_report.analyze(result)["vs_best_peer"]
+    assert set(peer) == {"sgd|B256|eps3|rmt", "sgd|B256|eps3|ema+rmt-js"}  # none/ema/doppler are not spectral
+    assert peer["sgd|B256|eps3|rmt"]["peer"] == "doppler"  # mean 0.84 beats ema's 0.813
+    d = peer["sgd|B256|eps3|rmt"]["diff"]
+    assert d["n"] == 3 and d["mean"] == pytest.approx(0.01)  # (0.01 + 0.02 + 0.00) / 3
+    assert d["lo"] < 0.01 < d["hi"]
+    assert peer["sgd|B256|eps3|ema+rmt-js"]["diff"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert "best non-spectral peer" in grid_report.tables({**result, "analysis": None})

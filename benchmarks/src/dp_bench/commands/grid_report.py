@@ -12,6 +12,13 @@ import numpy as np
 from ..analysis import crossing_step, eps_at_accuracy, mean_std, paired_ci
 
 BASELINE = "none"
+#: the non-spectral denoisers a spectral variant is compared with (issue target: beat the best of them)
+PEERS = ("ema", "doppler", "disk")
+
+
+def is_spectral(method: str) -> bool:
+    """Whether a grid method applies a spectral denoiser (``rmt``, ``rmt-tw``, ``ema+rmt-js``, ...)."""
+    return any(part.startswith("rmt") for part in method.split("+"))
 
 
 def _evals(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,7 +76,25 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             entry["epsilon_rdp"] = float(np.mean(eps_rdp))
         cells[f"{o}|B{b}|eps{e:g}|{m}"] = entry
     eps_cells = _eps_to_target(by, cfg)
-    return {"cells": cells, "epsilon_to_target": eps_cells}
+    return {"cells": cells, "epsilon_to_target": eps_cells, "vs_best_peer": _vs_best_peer(by)}
+
+
+def _vs_best_peer(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per (optimizer, B, ε): every spectral method minus the best non-spectral peer (:data:`PEERS`, the one
+    with the highest mean final test accuracy in that cell), paired by seed, with the 95 % t-interval."""
+    out: dict[str, Any] = {}
+    for o, b, e in sorted({k[:3] for k in by}):
+        peers = {m: by[(o, b, e, m)] for m in PEERS if (o, b, e, m) in by}
+        if not peers:
+            continue
+        best = max(peers, key=lambda m: float(np.mean([r["final_test"] for r in peers[m].values()])))
+        for (o2, b2, e2, m), seeds in by.items():
+            if (o2, b2, e2) != (o, b, e) or not is_spectral(m):
+                continue
+            common = sorted(set(seeds) & set(peers[best]))
+            diffs = [seeds[s]["final_test"] - peers[best][s]["final_test"] for s in common]
+            out[f"{o}|B{b}|eps{e:g}|{m}"] = {"peer": best, "diff": paired_ci(diffs)}
+    return out
 
 
 def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]], cfg: dict[str, Any]
@@ -140,6 +165,13 @@ def tables(result: dict[str, Any]) -> str:
         need = ", ".join("–" if x is None else f"{x:.2f}" for x in v["epsilon_needed"])
         lines.append(f"| {o} | {b[1:]} | {m} | {100 * v['target_accuracy']:.2f} | {need} | "
                      f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} |")  # fmt: skip
+    peer = an.get("vs_best_peer") or {}
+    if peer:
+        lines += ["", "| opt | B | ε | spectral method | best non-spectral peer | − peer, points [95 % CI] |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for k, v in peer.items():
+            o, b, e, m = k.split("|")
+            lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} |")
     return "\n".join(lines) + "\n"
 
 
