@@ -229,7 +229,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     minilm = cfg["model"] == "minilm"
     bed = f"Rotten Tomatoes, MiniLM {cfg.get('trainable')}" if minilm else "Fashion-MNIST, " + cfg["model"]
     budget = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg['epochs']:g} epochs"
-    fig.suptitle(f"{bed}, {budget}, C = {cfg['max_grad_norm']}, "
+    sep = ",\n" if len(combos) == 1 else ", "  # one panel: two title lines, so the title fits the figure
+    fig.suptitle(f"{bed}, {budget}, C = {cfg['max_grad_norm']}{sep}"
                  f"seeds {cfg['seeds']} (bands: sample s.d.)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
