@@ -339,11 +339,11 @@ def test_demo_smoke_tiny(tmp_path: Path) -> None:
          "--lora-layers", "1", "--eval-every", "1", "--tiny-train", "128", "--tiny-test", "64", "--epsilon", "2",
          "--out", str(tmp_path)]
     )  # fmt: skip
-    assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt"}
+    assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt_paper"}
     for s in res["summary"].values():
         assert s["steps"] == 2 and 1.5 < s["epsilon"] <= 2.0 + 1e-6
         assert 0.0 <= s["accuracy"] <= 1.0
-    rmt = res["summary"]["dp-lora+rmt"]
+    rmt = res["summary"]["dp-lora+rmt_paper"]
     assert rmt["considered_layer_steps"] == 2 * 13  # 6 LoRA pairs of the top layer + classifier, per step
     assert res["summary"]["dp-lora"]["gated_layer_steps"] is None
     assert res["split_check_max_abs"] < 1e-5

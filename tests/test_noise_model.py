@@ -173,7 +173,7 @@ def test_rmt_warns_once_when_it_never_gates_and_when_gates_are_marginal():
         for step in range(5):  # pure noise, square: the κ gate never opens
             d([NoisyGradient("w", "weight", torch.randn(64, 64, generator=rng), 1.0, step)])
     assert sum("gated no matrix in its first 3 steps" in str(w.message) for w in caught) == 1
-    d = RMTDenoiser(warn_after=4, kappa=0.98)  # a gate just below the edge: pure noise crosses it, barely
+    d = RMTDenoiser(warn_after=4, gate="kappa", kappa=0.98)  # a gate just below the edge: pure noise crosses it, barely
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from opacus_spectral.rmt import RMTDenoiser
+from opacus_spectral.rmt import RMTDenoiser as _RMTDenoiser
 
 from opacus_spectral import NoisyGradient
 from opacus_spectral import rmt as rmt_mod
@@ -28,7 +28,32 @@ def rec(name: str, role: str, t: torch.Tensor, sigma: float = 0.1, layer: str | 
     return NoisyGradient(name=name, role=role, tensor=t, sigma=sigma, step=0, layer=layer)
 
 
-def run(d: RMTDenoiser, recs: list[NoisyGradient]) -> tuple[list[torch.Tensor], list[bool]]:
+def RMTDenoiser(**kw: object) -> _RMTDenoiser:  # noqa: N802
+    """Paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin paper A's
+    formulas against ``spectral.rmt_denoise``; the library's defaults are pinned by ``test_defaults_...``."""
+    return _RMTDenoiser(**{"gate": "kappa", "norm_correction": "noisy", **kw})  # type: ignore[arg-type]
+
+
+def test_defaults_are_the_measured_ones_and_the_paper_setting_is_registered() -> None:
+    """Default: Tracy–Widom gate at 1e-3 + clean-norm estimate (docs/results.md §7); "rmt_paper" = κ 1.02 + noisy."""
+    from opacus_spectral.registry import get_registry
+
+    d = _RMTDenoiser()
+    assert (d.gate, d.false_alarm, d.norm_correction, d.residual) == ("tracy_widom", 1e-3, "clean_estimate", 0.0)
+    p = get_registry().create("rmt_paper")
+    assert isinstance(p, _RMTDenoiser)
+    assert (p.gate, p.kappa, p.norm_correction) == ("kappa", 1.02, "noisy")
+    assert get_registry().create(("rmt_paper", {"kappa": 1.1})).kappa == 1.1  # other options pass through
+    g = torch.Generator().manual_seed(0)
+    u, v = torch.randn(48, generator=g), torch.randn(64, generator=g)
+    t = 0.1 * torch.randn(48, 64, generator=g) + 5.0 * torch.outer(u / u.norm(), v / v.norm())  # edge ≈ 1.49
+    a, b = t.clone(), t.clone()
+    p([rec("w", "weight", a)])
+    _RMTDenoiser(gate="kappa", norm_correction="noisy")([rec("w", "weight", b)])
+    assert torch.equal(a, b) and not torch.equal(a, t)  # the registered name is exactly the paper setting
+
+
+def run(d: _RMTDenoiser, recs: list[NoisyGradient]) -> tuple[list[torch.Tensor], list[bool]]:
     """Apply ``d``; returns the resulting tensors and, per record, whether its values changed."""
     before = [r.tensor.clone() for r in recs]
     result = d(recs)

@@ -17,6 +17,13 @@ def _rmt(**kwargs: Any) -> Any:
     return RMTDenoiser(**kwargs)
 
 
+def _rmt_paper(**kwargs: Any) -> Any:
+    """Paper A's exact setting (κ = 1.02 gate, rescale to the noisy norm); other options as ``"rmt"``."""
+    from .rmt import PAPER_SETTING, RMTDenoiser
+
+    return RMTDenoiser(**{**PAPER_SETTING, **kwargs})
+
+
 def _ema(**kwargs: Any) -> Any:
     from .ema import EMADenoiser
 
@@ -31,4 +38,4 @@ def _lowpass(**kwargs: Any) -> Any:
 
 @hookimpl
 def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:
-    return {"rmt": _rmt, "lowpass": _lowpass, "ema": _ema}
+    return {"rmt": _rmt, "rmt_paper": _rmt_paper, "lowpass": _lowpass, "ema": _ema}

@@ -56,24 +56,31 @@ def matrix_view(t: Tensor) -> Tensor | None:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
+#: paper A's setting (κ = 1.02 gate, rescale to the noisy norm): ``RMTDenoiser(**PAPER_SETTING)`` = ``"rmt_paper"``
+PAPER_SETTING: dict[str, Any] = {"gate": "kappa", "kappa": 1.02, "norm_correction": "noisy"}
+
+
 class RMTDenoiser(Denoiser):
     """Spectral denoising of every selected ≥2-D noisy gradient (paper A; ``docs/math.md`` §1).
 
     Per matrix ``G~`` (m × n) with noise std ``s`` = ``record.sigma`` (never a user argument): invert
     the singular-value inflation, shrink optimally (Shabalin–Nobel), zero everything inside the noise
-    bulk, apply only if the gate opens (``λ~₁ > κ·s(√m+√n)``, or a Tracy–Widom gate at a false-alarm
-    rate; §1.7), and rescale to ``‖G~‖_F`` (``norm_correction``, §1.8). Records with ``sigma == 0``, 0-/1-D or empty
+    bulk, apply only if the gate opens (a Tracy–Widom gate at a false-alarm rate, or paper A's
+    ``λ~₁ > κ·s(√m+√n)``; §1.7), and rescale (``norm_correction``, §1.8). Defaults (``docs/denoisers.md``, measured
+    in ``docs/results.md`` §7): Tracy–Widom gate at 1e-3 and the clean-norm estimate; paper A's setting (κ = 1.02,
+    the noisy norm ``‖G~‖_F``) is ``gate="kappa", norm_correction="noisy"`` or the registered name ``"rmt_paper"``.
+    Records with ``sigma == 0``, 0-/1-D or empty
     tensors, roles or names not selected are left alone; a non-finite matrix is left unchanged and counted
     (the engine validates outputs).
 
     Args:
         kappa: gate factor for ``gate="kappa"`` (paper A: 1.02).
-        gate: ``"kappa"`` or ``"tracy_widom"``.
+        gate: ``"tracy_widom"`` (default) or ``"kappa"`` (paper A).
         false_alarm: the Tracy–Widom gate's false-alarm rate on pure noise, in [1e-8, 0.5].
         tw_centering: ``"johnstone"`` (Johnstone 2001, conservative on thin shapes) or ``"ma"`` (Ma 2012).
         norm_correction: ``"noisy"`` / ``True`` (paper A: rescale each denoised matrix to its noisy Frobenius
-            norm), ``"clean_estimate"`` (to ``sqrt(max(‖G~‖² − mn·s², 0))``, the unbiased clean-norm estimate) or
-            ``"none"`` / ``False`` (``docs/math.md`` §1.8).
+            norm), ``"clean_estimate"`` (default: to ``sqrt(max(‖G~‖² − mn·s², 0))``, the unbiased clean-norm
+            estimate) or ``"none"`` / ``False`` (``docs/math.md`` §1.8).
         residual: the sub-threshold part of a gated matrix: ``0`` (paper A: dropped), a factor ``ρ ∈ (0, 1]``
             (kept, scaled by ρ; only the spikes are shrunk by RMT) or ``"james_stein"`` (ρ estimated per matrix);
             ``docs/math.md`` §1.11.
@@ -114,10 +121,10 @@ class RMTDenoiser(Denoiser):
         self,
         *,
         kappa: float = 1.02,
-        gate: Gate = "kappa",
+        gate: Gate = "tracy_widom",
         false_alarm: float = 1e-3,
         tw_centering: str = "johnstone",
-        norm_correction: bool | NormCorrection = True,
+        norm_correction: bool | NormCorrection = "clean_estimate",
         residual: float | str = 0.0,
         roles: str | Iterable[str] | None = None,
         params: ParamFilter = None,
@@ -324,7 +331,9 @@ class RMTDenoiser(Denoiser):
             warnings.warn(
                 f"{n_marginal} of the {n_gated} gates rmt opened in its first {self.warn_after} steps were "
                 "marginal (top singular value within 5 % of the threshold): likely noise crossing the gate. "
-                "Consider gate='tracy_widom' (a stated false-alarm rate) and norm_correction='clean_estimate'",
+                + ("Consider the defaults gate='tracy_widom' (a stated false-alarm rate) and "
+                   "norm_correction='clean_estimate'" if self.gate == "kappa" or self.norm_correction == "noisy"
+                   else "the signal sits at the noise edge, where denoising gains little"),
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -45,9 +45,9 @@ from ..vision import build
 #: method name -> post_hooks (lowpass needs an axis on plain weights: the MLP has no LoRA factors)
 METHODS: dict[str, list[Any]] = {
     "none": [],
-    "rmt": ["rmt"],
+    "rmt": ["rmt_paper"],  # paper A's setting, as in the recorded audit
     "lowpass": [("lowpass", {"weight_axis": 1})],
-    "ema+rmt": ["ema", "rmt"],
+    "ema+rmt": ["ema", "rmt_paper"],
     "doppler": ["doppler"],
 }
 

@@ -106,7 +106,7 @@ def calibrate(eps: float, sample_rate: float, steps: int, delta: float = 1e-5) -
 
 def hook_specs(names: Sequence[str]) -> list[Any]:
     """post_hooks for a method: ``rmt`` with per-matrix diagnostics (which matrices were gated)."""
-    return [("rmt", {"diagnostics": True}) if n == "rmt" else n for n in names]
+    return [("rmt_paper", {"diagnostics": True}) if n == "rmt" else n for n in names]  # paper A's setting
 
 
 def planned_runs(args: Config) -> list[tuple[str, float, int]]:

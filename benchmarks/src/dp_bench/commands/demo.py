@@ -66,7 +66,7 @@ class Config:
     eval_every: int = opt(10, "evaluate every N steps")
     eval_batch: int = opt(512, "evaluation batch size")
     seed: int = opt(0, "seed")
-    hooks: list[str] = opt(["rmt"], "post_hooks of the second arm")
+    hooks: list[str] = opt(["rmt_paper"], "post_hooks of the second arm (default: paper A's rmt setting)")
     tiny_train: int = opt(512, "--model tiny: synthetic train size")
     tiny_test: int = opt(256, "--model tiny: synthetic test size")
     out: Path = opt(RESULTS, "output folder")

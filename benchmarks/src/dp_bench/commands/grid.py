@@ -60,15 +60,15 @@ from . import grid_report as report
 #: needs DiSK's two-point gradient in the loop (per-sample gradients: hooks mode)
 METHODS: dict[str, tuple[list[Any], float | None]] = {
     "none": ([], None),
-    "rmt": ([("rmt", {"warn_after": 0})], None),
+    "rmt": ([("rmt_paper", {"warn_after": 0})], None),
     "rmt-tw": ([("rmt", {"gate": "tracy_widom", "norm_correction": "clean_estimate", "warn_after": 0})], None),
     "rmt-js": ([("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], None),
     "ema": ([("ema", {"beta": 0.9})], 0.0),
-    "ema+rmt": ([("ema", {"beta": 0.9}), ("rmt", {"warn_after": 0})], 0.0),
+    "ema+rmt": ([("ema", {"beta": 0.9}), ("rmt_paper", {"warn_after": 0})], 0.0),
     "ema+rmt-js": ([("ema", {"beta": 0.9}),
                    ("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], 0.0),
     "doppler": ([("doppler", {})], 0.0),
-    "rmt+doppler": ([("rmt", {"warn_after": 0}), ("doppler", {})], 0.0),
+    "rmt+doppler": ([("rmt_paper", {"warn_after": 0}), ("doppler", {})], 0.0),
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }  # fmt: skip
 REFERENCES = ("nonprivate", "clip-only")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import RMTDenoiser, matrix_view
+from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser, matrix_view
 from opacus_spectral.spectral import bulk_edge, shrink_singular_values
 from torch import nn
 
@@ -148,7 +148,7 @@ def memory_child(path: str) -> int:
 
 def _inplace_peaks(records: Sequence[NoisyGradient], device: torch.device, reps: int = 3) -> list[int]:
     """Peaks of the engine's default (in-place) denoiser call, each on a fresh copy made before measuring."""
-    den = RMTDenoiser()
+    den = RMTDenoiser(**PAPER_SETTING)
     peaks = []
     for k in range(reps + 1):
         fresh = [NoisyGradient(r.name, r.role, r.tensor.clone(), r.sigma, r.step, r.layer) for r in records]
@@ -200,7 +200,7 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     ids = torch.randint(1000, 30000, (n, args.seq), generator=gen)
     labels = torch.randint(0, 2, (n,), generator=gen)
     dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=args.batch)
-    switch = Switch(RMTDenoiser(), device)
+    switch = Switch(RMTDenoiser(**PAPER_SETTING), device)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
         module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0,
@@ -238,7 +238,8 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     mats = [r for r in records if matrix_view(r.tensor) is not None and r.role in ("weight", "lora_A", "lora_B")]
     grad_bytes = sum(r.tensor.numel() * r.tensor.element_size() for r in mats)
 
-    batched = RMTDenoiser(inplace=False)  # returns replacements: the captured records stay the noisy input
+    # returns replacements: the captured records stay the noisy input
+    batched = RMTDenoiser(inplace=False, **PAPER_SETTING)
     batched(records)  # warm-up
     reps = max(2, args.reps)
     t_batched = median_time(lambda: batched(records), device, reps)
@@ -297,7 +298,7 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
     rows = torch.randperm(n_rows, generator=torch.Generator().manual_seed(1))[: steps * args.warm_batch]
     ds = torch.utils.data.TensorDataset(*(cols[c][rows] for c in (*names, "label")))
     dl = torch.utils.data.DataLoader(ds, batch_size=args.warm_batch)
-    switch = Switch(RMTDenoiser(), device)
+    switch = Switch(RMTDenoiser(**PAPER_SETTING), device)
     opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: every measured step sees the same warm weights
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0,

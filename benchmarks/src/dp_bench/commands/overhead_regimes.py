@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import RMTDenoiser
+from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser
 from opacus_spectral.spectral import bulk_edge, rmt_denoise
 from torch import nn
 
@@ -161,7 +161,7 @@ def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.devic
     model = nn.Sequential(nn.Linear(dim, dim, bias=False)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
     dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=batch)
-    switch = Switch(RMTDenoiser(), device)
+    switch = Switch(RMTDenoiser(**PAPER_SETTING), device)
     captured: list[torch.Tensor] = []
 
     class _Capture(Denoiser):
