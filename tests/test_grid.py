@@ -151,3 +151,10 @@ def test_spectral_methods_are_paired_with_the_best_non_spectral_peer() -> None:
     assert d["lo"] < 0.01 < d["hi"]
     assert peer["sgd|B256|eps3|ema+rmt-js"]["diff"]["mean"] == pytest.approx(0.0, abs=1e-12)
     assert "best non-spectral peer" in grid_report.tables({**result, "analysis": None})
+    # paper A's unit, paired per seed: (none's steps − rmt's steps) / none's steps to none's mean final accuracy
+    # (0.81), by linear interpolation from 0.1 at step 0; none's seeds 0 and 1 never pass it (budget 10)
+    none_t = [10.0, 10.0, 10 * 0.71 / 0.72]
+    rmt_t = [10 * 0.71 / (a - 0.1) for a in finals["rmt"]]
+    want = sum((b - a) / b for a, b in zip(rmt_t, none_t, strict=True)) / 3
+    st = grid_report.analyze(result)["cells"]["sgd|B256|eps3|rmt"]["steps_to_baseline"]
+    assert st["fewer_steps_fraction"]["mean"] == pytest.approx(want, rel=1e-9) and st["never_reached"] == 0

@@ -54,9 +54,11 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
                 steps.append(t)
             base_steps = [crossing_step(base[s]["test"], target) or float(base[s]["steps"]) for s in common]
             diffs = [a - c for a, c in zip(steps, base_steps, strict=True)]
+            fewer = [(c - a) / c for a, c in zip(steps, base_steps, strict=True)]  # paper A's unit, per seed
             entry["steps_to_baseline"] = {
-                "mean": float(np.mean(steps)), "never_reached": never,
+                "mean": float(np.mean(steps)), "never_reached": never, "baseline_mean": float(np.mean(base_steps)),
                 "budget": seeds[common[0]]["steps"], "diff_vs_none": paired_ci(diffs),
+                "fewer_steps_fraction": paired_ci(fewer),
             }
         cos = [np.mean([c[1] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
         cos_ema = [np.mean([c[2] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
@@ -138,12 +140,14 @@ def _fmt_ci(ci: dict[str, Any], scale: float = 100.0, unit: str = "") -> str:
 def tables(result: dict[str, Any]) -> str:
     an = result.get("analysis") or analyze(result)
     lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | steps to none's "
-             "final acc (never) | cos(released, clean) 2nd half | ‖released‖/‖clean‖ | gated/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "final acc (never) | fewer steps than none, % [95 % CI] | cos(released, clean) 2nd half | "
+             "‖released‖/‖clean‖ | gated/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in an["cells"].values():
         fin = c["final_test"]
         st = c.get("steps_to_baseline")
         steps = f"{st['mean']:.0f}/{st['budget']} ({st['never_reached']})" if st else "–"
+        fewer = _fmt_ci(st.get("fewer_steps_fraction", {})) if st else "–"
         cos = c.get("cos_released_clean_2nd_half")
         cos_txt = "–" if not cos else f"{cos[0]:.3f}"
         ratio = c.get("norm_ratio_released_clean_2nd_half")
@@ -152,7 +156,7 @@ def tables(result: dict[str, Any]) -> str:
         gated_txt = "–" if gated is None else f"{gated:.2f}"
         lines.append(
             f"| {c['optimizer']} | {c['batch']} | {c['epsilon']:g} | {c['method']} | {c['lr']:g} | "
-            f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | "
+            f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | {fewer} | "
             f"{cos_txt} | {ratio_txt} | {gated_txt} |"
         )
     lines += [
