@@ -177,13 +177,14 @@ class Doctor:
 
     def _check_parameters(self) -> None:
         """The model's trainable parameters are the optimizer's, and each has Opacus' per-sample hooks."""
-        held = {id(p) for p in self._optimizer_params()}
+        opt_params = self._optimizer_params()
+        held = {id(p) for p in opt_params}
         model_ids = {id(p) for p in self._model.parameters()}
         trainable = [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
         missing = [n for n, p in trainable if id(p) not in held]
         stale = [
             self._name(p, f"optimizer param {i}")
-            for i, p in enumerate(self._optimizer_params())
+            for i, p in enumerate(opt_params)
             if p.requires_grad and id(p) not in model_ids
         ]
         if stale:
