@@ -65,6 +65,18 @@ def test_method_hooks_and_plan() -> None:
     ]
 
 
+def test_same_config_ignores_execution_settings_and_accepts_new_options_at_their_default() -> None:
+    from dp_bench.config import same_config
+
+    defaults = {"lr": 1.0, "threads": 2, "new_option": "off"}
+    stored = {"lr": 1.0, "threads": 1}
+    assert same_config(stored, {"lr": 1.0, "threads": 4, "new_option": "off"}, defaults=defaults, ignore={"threads"})
+    assert not same_config(stored, {"lr": 1.0, "threads": 1, "new_option": "on"}, defaults=defaults, ignore=set())
+    assert not same_config(stored, {"lr": 2.0, "threads": 1}, defaults=defaults, ignore={"threads"})
+    assert not same_config(stored, {"lr": 1.0, "threads": 4}, defaults=defaults, ignore=set())
+    assert not same_config({**stored, "gone": 1}, {"lr": 1.0, "threads": 1}, defaults=defaults, ignore=set())
+
+
 def test_trainable_spec_parsing() -> None:
     assert Trainable.parse("lora:qkv:16") == Trainable("lora", "qkv", 16)
     assert Trainable.parse("full").kind == "full"

@@ -75,15 +75,19 @@ def test_fixed_head_leaves_only_the_adapters_trainable() -> None:
 
 
 class Chain(nn.Module):
-    """z = c·b·a·x + h·u: LoRA-named scalars a (A), b (B), and a two-parameter head (c, h)."""
+    """z = c·b·a·x + h·u: scalars a (A), b (B) named as PEFT names LoRA factors (``layer.lora_A.default``), and
+    a two-parameter head (c, h)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lora_A, self.lora_B = nn.Parameter(torch.tensor(1.0)), nn.Parameter(torch.tensor(2.0))
+        self.layer = nn.Module()
+        self.layer.lora_A = nn.ParameterDict({"default": nn.Parameter(torch.tensor(1.0))})
+        self.layer.lora_B = nn.ParameterDict({"default": nn.Parameter(torch.tensor(2.0))})
         self.classifier, self.classifier_h = nn.Parameter(torch.tensor(3.0)), nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return self.classifier * self.lora_B * self.lora_A * x + self.classifier_h * u
+        a, b = self.layer.lora_A["default"], self.layer.lora_B["default"]
+        return self.classifier * b * a * x + self.classifier_h * u
 
 
 def test_gradient_share_matches_a_hand_computation() -> None:

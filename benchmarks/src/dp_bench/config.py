@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from peft_lalora.cli import add_dataclass_arguments, dataclass_from_args
 
-__all__ = ["as_json", "command_line", "opt", "parse_config"]
+__all__ = ["as_json", "command_line", "opt", "parse_config", "same_config"]
 
 C = TypeVar("C")
 
@@ -42,6 +42,20 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, *, prog: str, descrip
 def as_json(cfg: Any) -> dict[str, Any]:
     """The config as JSON-ready values (paths as strings)."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def same_config(stored: dict[str, Any], now: dict[str, Any], *, defaults: dict[str, Any],
+                ignore: frozenset[str] | set[str]) -> bool:
+    """Whether a stored result's ``config`` is ``now`` for ``--resume``: keys in ``ignore`` (execution settings,
+    and for some commands the lists a resume may extend) are not compared, and an option added since the result
+    was stored matches when ``now`` keeps its default (``defaults``: the command's default config as JSON)."""
+    for key in (set(stored) | set(now)) - set(ignore):
+        if key not in stored:
+            if now[key] != defaults.get(key):
+                return False
+        elif stored[key] != now.get(key):
+            return False
+    return True
 
 
 def command_line(name: str, argv: Sequence[str] | None) -> str:

@@ -20,21 +20,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft_lalora.federated.aggregate import factor_of
 from torch import nn
 
 __all__ = ["GROUPS", "gradient_share", "param_group", "probe_federation"]
 
 GROUPS = ("head", "lora_A", "lora_B")
+_GROUP_OF_FACTOR = {"A": "lora_A", "B": "lora_B", "other": "head"}
 LossFn = Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor]
 
 
 def param_group(name: str) -> str:
-    """``"lora_A"`` / ``"lora_B"`` for LoRA factors (PEFT names), ``"head"`` for every other trainable tensor."""
-    if "lora_A" in name:
-        return "lora_A"
-    if "lora_B" in name:
-        return "lora_B"
-    return "head"
+    """``"lora_A"`` / ``"lora_B"`` for LoRA factors (PEFT names, matched as the federated aggregation matches
+    them: :func:`peft_lalora.federated.aggregate.factor_of`), ``"head"`` for every other trainable tensor."""
+    return _GROUP_OF_FACTOR[factor_of(name)]
 
 
 def gradient_share(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn, max_grad_norm: float,

@@ -48,7 +48,7 @@ import torch
 from peft_lalora.federated.federation import FederationConfig
 from peft_lalora.federated.task import Task, build_task
 
-from ..config import as_json, command_line, opt, parse_config
+from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..probe import probe_federation
@@ -205,10 +205,10 @@ def other_accountant(cfg: FederationConfig, clients: dict[str, Any]) -> dict[str
     return {"accountant": other, "max_epsilon": max(eps.values(), default=float("nan")), "clients": eps}
 
 
-def same_config(stored: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether a stored grid was made with this configuration, up to the options of :data:`RESUMABLE`."""
-    keys = (set(stored) | set(now)) - RESUMABLE
-    return all(stored.get(k) == now.get(k) for k in keys)
+def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a stored grid was made with this configuration, up to the options of :data:`RESUMABLE` and
+    options added since, at their defaults."""
+    return same_config(stored, now, defaults=as_json(Config()), ignore=RESUMABLE)
 
 
 class Grid:
@@ -218,7 +218,7 @@ class Grid:
         self.args = args
         config = as_json(args)
         old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else None
-        if old is not None and not same_config(old["config"], config):
+        if old is not None and not resumable(old["config"], config):
             raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
         self.result: dict[str, Any] = {"runs": [], "lr_choice": {}, **(old or {})}
         self.result.update(command=command_line("federated", argv), config=config)

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..adapters import Trainable, build_top
-from ..config import as_json, command_line, opt, parse_config
+from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
@@ -315,20 +315,10 @@ def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
     return tune + evals
 
 
-def same_config(stored: dict[str, Any], now: dict[str, Any]) -> bool:
+def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a stored grid's configuration is this one, up to the execution settings (``resume``, ``threads``:
-    the thread count changes only the order of float sums) and options added since, at their defaults (a JSON
-    from before an option existed resumes when the option keeps its default)."""
-    defaults = as_json(Config())
-    for key in set(stored) | set(now):
-        if key in ("resume", "threads"):
-            continue
-        if key not in stored:
-            if now[key] != defaults.get(key):
-                return False
-        elif stored[key] != now.get(key):
-            return False
-    return True
+    the thread count changes only the order of float sums) and options added since, at their defaults."""
+    return same_config(stored, now, defaults=as_json(Config()), ignore={"resume", "threads"})
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
@@ -338,7 +328,7 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     path = cfg.out / f"{cfg.name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
-    if cfg.resume and result.get("config") and not same_config(result["config"], as_json(cfg)):
+    if cfg.resume and result.get("config") and not resumable(result["config"], as_json(cfg)):
         raise SystemExit(f"--resume: {path} was made with another configuration; use another --name")
     task = load_task(cfg)
     n = len(task.train)
