@@ -6,6 +6,7 @@ accountant is untouched. Mathematics: ``docs/math.md``; Opacus facts relied on: 
 The Hugging Face Trainer with DP-SGD is ``opacus_spectral.hf.DPTrainer`` (the ``[hf]`` extra, ``docs/trainer.md``).
 """
 
+from .advice import DenoiserAdviceWarning
 from .calibration import noise_std
 from .denoiser import Denoiser, DenoiserProtocol
 from .doctor import Doctor, DoctorError, DoctorWarning
@@ -36,6 +37,7 @@ from .rmt import RMTDenoiser
 
 __all__ = [
     "Denoiser",
+    "DenoiserAdviceWarning",
     "DenoiserError",
     "DenoiserInfo",
     "DenoiserProtocol",

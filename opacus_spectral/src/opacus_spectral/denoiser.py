@@ -38,6 +38,9 @@ class Denoiser:
 
     #: registry name; set by subclasses
     name: str = "denoiser"
+    #: averages the gradient over steps (a momentum of its own, e.g. ``ema``, ``doppler``): the engine then
+    #: advises against optimizer momentum or an adaptive optimizer behind it (:mod:`~opacus_spectral.advice`)
+    temporal: bool = False
 
     def __init__(self) -> None:
         self.diagnostics: dict[str, Any] = {}

@@ -45,6 +45,7 @@ class EMADenoiser(Denoiser):
     """
 
     name = "ema"
+    temporal = True
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from opacus.optimizers import (
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .advice import DenoiserAdviceWarning, combination_advice
 from .calibration import clean_scale, noise_std, world_size
 from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
@@ -279,6 +280,8 @@ def install_post_hooks(
         raise ValueError("oracle diagnostics need the clean gradient, which DDP ranks never share; use oracle=False")
     reg = registry or get_registry()
     denoisers = create_denoisers(hooks, reg)
+    for message in combination_advice(dp_optimizer.original_optimizer, denoisers):
+        warnings.warn(message, DenoiserAdviceWarning, stacklevel=2)
     old = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
     if old is not None:
         warnings.warn(

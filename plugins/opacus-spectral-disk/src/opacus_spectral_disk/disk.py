@@ -24,6 +24,7 @@ class DiskDenoiser(Denoiser):
     """``"disk"``: the Kalman update of DiSK with gain ``kappa`` in (0, 1] (1: identity)."""
 
     name = "disk"
+    temporal = True
 
     def __init__(self, kappa: float = 0.7, state_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

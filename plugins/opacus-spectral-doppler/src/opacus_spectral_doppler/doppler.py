@@ -63,6 +63,7 @@ class DopplerDenoiser(Denoiser):
     """
 
     name = "doppler"
+    temporal = True
 
     def __init__(
         self,

@@ -1,0 +1,64 @@
+"""Advice on denoiser/optimizer combinations that our measurements found harmful (``docs/denoisers.md``).
+
+These are warnings, not errors: a combination can still be right on another task. Each message names what was
+measured and where. The check is pure (optimizer + denoisers in, messages out); the engine warns once per
+installation with :class:`DenoiserAdviceWarning`, which users can filter like any warning category.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["ADAPTIVE_OPTIMIZERS", "DenoiserAdviceWarning", "combination_advice"]
+
+#: optimizers that divide each coordinate by a running RMS of its gradient
+ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+)
+
+
+class DenoiserAdviceWarning(UserWarning):
+    """A denoiser/optimizer combination measured to hurt accuracy (``docs/denoisers.md``)."""
+
+
+def _temporal_names(denoisers: Sequence[object]) -> list[str]:
+    return [str(getattr(d, "name", type(d).__name__)) for d in denoisers if getattr(d, "temporal", False) is True]
+
+
+def combination_advice(optimizer: torch.optim.Optimizer, denoisers: Sequence[object]) -> list[str]:
+    """Messages for the harmful combinations of ``optimizer`` (the inner, non-DP one) with ``denoisers``.
+
+    * a temporal filter (a denoiser with ``temporal = True``) in front of an adaptive optimizer — measured on the
+      Fashion-MNIST MLP with AdamW: ``ema`` −3.2 / −9.6 and ``doppler`` −2.4 / −7.9 accuracy points at
+      B = 256 / 1024, ε = 3, each at its own tuned learning rate (``docs/results.md`` §7.5);
+    * a temporal filter in front of SGD with momentum > 0 — two averages stacked; the filters were designed and
+      measured as a replacement for momentum (SGD with ``momentum=0``, ``docs/results.md`` §7.2–§7.4).
+    """
+    temporal = _temporal_names(denoisers)
+    if not temporal:
+        return []
+    names = ", ".join(repr(n) for n in temporal)
+    if isinstance(optimizer, ADAPTIVE_OPTIMIZERS):
+        return [
+            f"temporal denoiser(s) {names} in front of {type(optimizer).__name__}: measured with AdamW on the "
+            "Fashion-MNIST MLP, 'ema' and 'doppler' lost 2.4-9.6 accuracy points against no denoiser at every "
+            "learning rate tried (docs/denoisers.md); the optimizer already averages the gradient. Prefer no "
+            "temporal denoiser with an adaptive optimizer, or SGD with momentum=0, and check on a validation split."
+        ]
+    momentum = any(float(g.get("momentum", 0.0)) > 0 for g in optimizer.param_groups)
+    if isinstance(optimizer, torch.optim.SGD) and momentum:
+        return [
+            f"temporal denoiser(s) {names} in front of SGD with momentum > 0: two averages of the gradient are "
+            "stacked. These denoisers replace momentum (use SGD with momentum=0 and tune the learning rate; "
+            "docs/denoisers.md)."
+        ]
+    return []
