@@ -69,5 +69,6 @@ def _make_private(optimizer_factory, post_hooks) -> list[warnings.WarningMessage
 def test_make_private_warns_once_for_ema_in_front_of_adamw_and_not_for_sgd_without_momentum() -> None:
     found = _make_private(lambda p: torch.optim.AdamW(p, lr=1e-3), ["ema", "rmt"])
     assert len(found) == 1 and "'ema'" in str(found[0].message)
+    assert found[0].filename == __file__  # points at the caller's make_private, not inside the package
     assert _make_private(lambda p: torch.optim.SGD(p, lr=1.0), ["ema", "rmt"]) == []
     assert _make_private(lambda p: torch.optim.AdamW(p, lr=1e-3), ["rmt"]) == []

@@ -7,11 +7,12 @@ installation with :class:`DenoiserAdviceWarning`, which users can filter like an
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ADAPTIVE_OPTIMIZERS", "DenoiserAdviceWarning", "combination_advice"]
+__all__ = ["ADAPTIVE_OPTIMIZERS", "DenoiserAdviceWarning", "combination_advice", "external_stacklevel"]
 
 #: optimizers that divide each coordinate by a running RMS of its gradient
 ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -62,3 +63,14 @@ def combination_advice(optimizer: torch.optim.Optimizer, denoisers: Sequence[obj
             "docs/denoisers.md)."
         ]
     return []
+
+
+def external_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function point at the first frame outside
+    ``opacus_spectral`` and ``opacus`` (the user's ``make_private`` line, whatever the call path inside)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("opacus_spectral", "opacus"):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -28,7 +28,7 @@ from opacus.optimizers import (
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .advice import DenoiserAdviceWarning, combination_advice
+from .advice import DenoiserAdviceWarning, combination_advice, external_stacklevel
 from .calibration import clean_scale, noise_std, world_size
 from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
@@ -281,7 +281,7 @@ def install_post_hooks(
     reg = registry or get_registry()
     denoisers = create_denoisers(hooks, reg)
     for message in combination_advice(dp_optimizer.original_optimizer, denoisers):
-        warnings.warn(message, DenoiserAdviceWarning, stacklevel=2)
+        warnings.warn(message, DenoiserAdviceWarning, stacklevel=external_stacklevel())
     old = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
     if old is not None:
         warnings.warn(
