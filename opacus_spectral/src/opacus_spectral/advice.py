@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .denoiser import denoiser_name
+
 __all__ = ["ADAPTIVE_OPTIMIZERS", "DenoiserAdviceWarning", "combination_advice", "external_stacklevel"]
 
 #: optimizers that divide each coordinate by a running RMS of its gradient
@@ -31,10 +33,6 @@ class DenoiserAdviceWarning(UserWarning):
     """A denoiser/optimizer combination measured to hurt accuracy (``docs/denoisers.md``)."""
 
 
-def _temporal_names(denoisers: Sequence[object]) -> list[str]:
-    return [str(getattr(d, "name", type(d).__name__)) for d in denoisers if getattr(d, "temporal", False) is True]
-
-
 def combination_advice(optimizer: torch.optim.Optimizer, denoisers: Sequence[object]) -> list[str]:
     """Messages for the harmful combinations of ``optimizer`` (the inner, non-DP one) with ``denoisers``.
 
@@ -44,7 +42,7 @@ def combination_advice(optimizer: torch.optim.Optimizer, denoisers: Sequence[obj
     * a temporal filter in front of SGD with momentum > 0 — two averages stacked; the filters were designed and
       measured as a replacement for momentum (SGD with ``momentum=0``, ``docs/results.md`` §7.2–§7.4).
     """
-    temporal = _temporal_names(denoisers)
+    temporal = [denoiser_name(d) for d in denoisers if getattr(d, "temporal", False) is True]
     if not temporal:
         return []
     names = ", ".join(repr(n) for n in temporal)
@@ -55,8 +53,7 @@ def combination_advice(optimizer: torch.optim.Optimizer, denoisers: Sequence[obj
             "learning rate tried (docs/denoisers.md); the optimizer already averages the gradient. Prefer no "
             "temporal denoiser with an adaptive optimizer, or SGD with momentum=0, and check on a validation split."
         ]
-    momentum = any(float(g.get("momentum", 0.0)) > 0 for g in optimizer.param_groups)
-    if isinstance(optimizer, torch.optim.SGD) and momentum:
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups):
         return [
             f"temporal denoiser(s) {names} in front of SGD with momentum > 0: two averages of the gradient are "
             "stacked. These denoisers replace momentum (use SGD with momentum=0 and tune the learning rate; "
