@@ -100,6 +100,41 @@ def test_grid_command_smoke_tunes_evaluates_paired_and_reports(tmp_path: Path, m
     assert out["analysis"]
 
 
+def test_resume_may_grow_the_grid_but_never_drop_or_change_what_is_stored() -> None:
+    from dp_bench.commands import grid
+    from dp_bench.config import as_json
+
+    stored = as_json(grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"]))
+    grown = grid.Config(epsilons=[3.0, 1.0], seeds=[0, 1, 2], methods=["none", "rmt", "ema"], threads=1)
+    assert grid.resumable(stored, as_json(grown))
+    for bad in (grid.Config(epsilons=[1.0], seeds=[0, 1], methods=["none", "rmt"]),  # drops ε = 3
+                grid.Config(epsilons=[3.0], seeds=[1], methods=["none", "rmt"]),  # drops seed 0
+                grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], epochs=5.0),  # another budget
+                grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], lr_grid_sgd=[1.0])):
+        assert not grid.resumable(stored, as_json(bad))
+
+
+def test_grid_grown_on_resume_keeps_its_runs_and_lr_choice_and_adds_only_the_new_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dp_bench.commands import grid
+
+    monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
+    base = ["--smoke", "--methods", "none", "--out", str(tmp_path), "--name", "g", "--no-references"]
+    grid.main([*base, "--epsilons", "3"])
+    first = json.loads((tmp_path / "g.json").read_text())
+    grid.main([*base, "--epsilons", "3", "1", "--resume"])
+    grown = json.loads((tmp_path / "g.json").read_text())
+    for key, rec in first["runs"].items():  # nothing stored is rerun or rewritten
+        assert grown["runs"][key] == rec
+    added = set(grown["runs"]) - set(first["runs"])
+    assert added and all(k.startswith("eval|none|") and "|eps1|" in k for k in added)  # no new tuning run
+    assert grown["lr_choice"] == first["lr_choice"]
+    assert len(grown["commands"]) == 2 and grown["config"]["epsilons"] == [3.0, 1.0]
+    with pytest.raises(SystemExit, match="may grow"):
+        grid.main([*base, "--epsilons", "3", "--resume"])  # would drop the stored ε = 1 runs
+
+
 def test_released_oracle_is_exact_without_noise_and_sees_a_scaled_update() -> None:
     """Clipping only (σ = 0): the released update is the clean clipped mean, so cos = 1 and the norm ratio 1;
     a denoiser that halves the update keeps cos = 1 and halves the ratio (globally and per matrix)."""

@@ -2,6 +2,7 @@
 
     dp-bench grid --name fmnist_a --epochs 30     # grid A of docs/results.md §7 (JSON after every run)
     dp-bench grid --name fmnist_a --resume        # continue an interrupted grid
+    dp-bench grid --name fmnist_b ... --epsilons 3 1 --resume   # grow it: more ε / seeds / methods (GROWABLE)
     dp-bench grid --name fmnist_a --replot        # tables + docs/results/fmnist_a.png from the JSON
     dp-bench grid --measure-speed                 # ghost clipping vs hooks, per model and batch
     dp-bench grid --model minilm --name rt ...    # Rotten Tomatoes (DP-LoRA on MiniLM), same protocol (§8)
@@ -315,10 +316,19 @@ def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
     return tune + evals
 
 
+#: the lists a ``--resume`` may extend: the grid grows by the new values (more ε, seeds, methods, batches or
+#: optimizers), the stored runs and learning-rate choices are kept, and nothing stored may be dropped
+GROWABLE = ("methods", "optimizers", "batches", "epsilons", "seeds")
+
+
 def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a stored grid's configuration is this one, up to the execution settings (``resume``, ``threads``:
-    the thread count changes only the order of float sums) and options added since, at their defaults."""
-    return same_config(stored, now, defaults=as_json(Config()), ignore={"resume", "threads"})
+    the thread count changes only the order of float sums), options added since at their defaults, and the
+    :data:`GROWABLE` lists, which may only grow (every stored value is still asked for)."""
+    defaults = as_json(Config())
+    if not same_config(stored, now, defaults=defaults, ignore={"resume", "threads", *GROWABLE}):
+        return False
+    return all(set(stored.get(k, defaults[k])) <= set(now[k]) for k in GROWABLE)
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
@@ -329,9 +339,12 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     path = cfg.out / f"{cfg.name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
     if cfg.resume and result.get("config") and not resumable(result["config"], as_json(cfg)):
-        raise SystemExit(f"--resume: {path} was made with another configuration; use another --name")
+        raise SystemExit(f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
+                         "grow, nothing stored may be dropped); use another --name")
     task = load_task(cfg)
     n = len(task.train)
+    result.setdefault("commands", [result["command"]] if "command" in result else [])
+    result["commands"].append(command_line("grid", argv))  # every invocation that built this JSON, in order
     result.update({"command": command_line("grid", argv), "config": as_json(cfg), "data": task.info,
                    "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
     result.setdefault("lr_choice", {})
