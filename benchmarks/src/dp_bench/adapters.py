@@ -63,7 +63,8 @@ def lora_target_regex(layers: range, targets: str) -> str:
 
 
 def build_top(
-    task: FrozenTextTask, trainable: Trainable, seed: int, *, pooling: str = "mean", reinit_head: bool = True
+    task: FrozenTextTask, trainable: Trainable, seed: int, *, pooling: str = "mean", reinit_head: bool = True,
+    trim_padding: bool = False,
 ) -> nn.Module:
     """A fresh trainable :class:`~dp_bench.frozen.BertTop` (layers ``k..``) on a copy of the base model.
 
@@ -79,7 +80,7 @@ def build_top(
         nn.init.normal_(model.classifier.weight, 0.0, std)
         nn.init.zeros_(model.classifier.bias)
     if trainable.kind == "full":
-        top = BertTop(model, task.k, pooling=pooling)
+        top = BertTop(model, task.k, pooling=pooling, trim_padding=trim_padding)
         for p in top.parameters():
             p.requires_grad_(False)
         for p in list(top.layers.parameters()) + list(top.classifier.parameters()):
@@ -88,5 +89,6 @@ def build_top(
         cfg = LoraConfig(task_type="SEQ_CLS", r=trainable.rank, lora_alpha=trainable.alpha or trainable.rank,
                          lora_dropout=0.0,
                          target_modules=lora_target_regex(range(task.k, task.n_layers), trainable.targets))  # fmt: skip
-        top = BertTop(get_peft_model(model, cfg).base_model.model, task.k, pooling=pooling)
+        top = BertTop(get_peft_model(model, cfg).base_model.model, task.k, pooling=pooling,
+                      trim_padding=trim_padding)
     return top.train()

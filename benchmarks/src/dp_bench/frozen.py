@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["POOLINGS", "BertTop", "bert_attention_mask", "encode_bottom", "split_error"]
+__all__ = ["POOLINGS", "BertTop", "bert_attention_mask", "encode_bottom", "split_error", "trim_padding"]
 
 
 def bert_attention_mask(config: Any, hidden: torch.Tensor, attention_mask: torch.Tensor) -> Any:
@@ -87,6 +87,16 @@ def encode_bottom(
 POOLINGS = ("cls", "mean")
 
 
+def trim_padding(hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden[:, :L]`` and ``attention_mask[:, :L]``, ``L`` = one past the last column that is a valid token in
+    some row (at least 1): only columns that are padding in every row are dropped, whatever the padding side."""
+    used = attention_mask.bool().any(0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 1
+    if length == attention_mask.shape[1]:
+        return hidden, attention_mask
+    return hidden[:, :length], attention_mask[:, :length]
+
+
 class BertTop(nn.Module):
     """Encoder layers ``k..`` + pooling + dropout + classifier of a ``BertForSequenceClassification``.
 
@@ -94,13 +104,18 @@ class BertTop(nn.Module):
     :func:`encode_bottom`) and the same ``attention_mask``; returns a ``SequenceClassifierOutput``. It holds
     the full model's own top submodules (no copies), so its LoRA and head weights are the full model's.
 
+    ``trim_padding=True`` drops the trailing columns that are padding in every row of the batch
+    (:func:`trim_padding`) before the top layers: the same logits up to float rounding — a padding position is
+    masked out of every valid position's attention and out of the pooling — in fewer tokens, which pays when a
+    batch holds sequences of similar length (``dp_bench.train.LengthSortedBatches``).
+
     ``pooling="cls"`` is ``BertForSequenceClassification``'s own head (the pooler's dense + tanh on [CLS]):
     the logits equal the full model's. ``"mean"`` feeds the attention-masked mean of the last hidden states
     — the pooling sentence-transformers models such as all-MiniLM-L6-v2 were trained with — to the same
     dropout and classifier, and leaves the pooler unused.
     """
 
-    def __init__(self, seq_cls: nn.Module, k: int, pooling: str = "cls") -> None:
+    def __init__(self, seq_cls: nn.Module, k: int, pooling: str = "cls", trim_padding: bool = False) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -113,6 +128,7 @@ class BertTop(nn.Module):
         self.dropout = seq_cls.dropout
         self.classifier = seq_cls.classifier
         self.num_labels = int(seq_cls.num_labels)
+        self.trim_padding = trim_padding
 
     def forward(
         self,
@@ -132,6 +148,8 @@ class BertTop(nn.Module):
         hidden = inputs_embeds
         if attention_mask is None:
             attention_mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        elif self.trim_padding:
+            hidden, attention_mask = trim_padding(hidden, attention_mask)
         mask = bert_attention_mask(self.config, hidden, attention_mask)
         for layer in self.layers:
             hidden = layer(hidden, mask)
