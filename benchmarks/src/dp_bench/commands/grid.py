@@ -1,7 +1,7 @@
 """Paired-seed grid on a bed: DP training where the noise costs accuracy; denoisers compared with paired seeds.
 
     dp-bench grid --name fmnist_a --epochs 30     # grid A of docs/results.md §7 (JSON after every run)
-    dp-bench grid --name fmnist_a --resume        # continue an interrupted grid
+    dp-bench grid --name fmnist_a --resume        # continue an interrupted grid (start it twice: two workers)
     dp-bench grid --name fmnist_b ... --epsilons 3 1 --resume   # grow it: more ε / seeds / methods (GROWABLE)
     dp-bench grid --name fmnist_a --replot        # tables + docs/results/fmnist_a.png from the JSON
     dp-bench grid --measure-speed                 # ghost clipping vs hooks, per model and batch
@@ -52,6 +52,7 @@ from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
 from ..vision import build
@@ -352,6 +353,9 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    """Train every planned run not yet stored. Several workers may run the same ``--resume`` command at once
+    (one per core): :class:`~dp_bench.store.SharedResult` hands each run to one of them, and a tuning round waits
+    for the others' runs before it chooses a learning rate."""
     from tqdm.auto import tqdm
 
     quiet_warnings()
@@ -361,34 +365,41 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     if cfg.resume and result.get("config") and not resumable(result["config"], as_json(cfg)):
         raise SystemExit(f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
                          "grow, nothing stored may be dropped); use another --name")
+    if not cfg.resume and path.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
+        path.replace(path.with_name(path.name + ".old"))
     task = load_task(cfg)
     n = len(task.train)
     result.setdefault("commands", [result["command"]] if "command" in result else [])
     result["commands"].append(command_line("grid", argv))  # every invocation that built this JSON, in order
     result.update({"command": command_line("grid", argv), "config": as_json(cfg), "data": task.info,
                    "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
-    result.setdefault("lr_choice", {})
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    store = SharedResult(path, result)
     t_start = time.perf_counter()
     for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc=f"{cfg.name} grid", unit="cell"):
         steps = budget(cfg, n, batch)
         cell = f"{method}|{optimizer}|B{batch}"
+        store.sync()
         lrs = list(cfg.lr_grid(optimizer, method)) if phase == "tune" else [result["lr_choice"][cell]["lr"]]
         while lrs:
-            for lr in lrs:
-                key = run_key(phase, method, optimizer, batch, eps, seed, lr)
-                if key in result["runs"]:
+            keys = {run_key(phase, method, optimizer, batch, eps, seed, lr): lr for lr in lrs}
+            while True:
+                missing = [k for k in keys if k not in result["runs"]]
+                mine = next((k for k in missing if store.claim(k)), None)
+                if mine is None:
+                    if not missing or phase == "eval":  # an evaluation run held by another worker: move on
+                        break
+                    time.sleep(10.0)  # a tuning round chooses only once every lr of it is stored
+                    store.sync()
                     continue
-                result["runs"][key] = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, steps)
-                rec = result["runs"][key]
-                tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
+                rec = one_run(cfg, task, method, optimizer, batch, eps, keys[mine], seed, steps)
+                tqdm.write(f"{mine:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
                            f"({rec['wall_seconds']:.0f}s)")  # fmt: skip
-                result["wall_seconds"] = result.get("wall_seconds", 0.0) + rec["wall_seconds"]
-                path.write_text(json.dumps(result, default=float))
+                store.put(mine, rec)
             lrs = _choose_lr(result, cfg, phase, method, optimizer, batch, eps, seed) if phase == "tune" else []
+    store.wait_until_idle()
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
     result["analysis"] = report.analyze(result)
-    path.write_text(json.dumps(result, default=float))
+    store.save()
     report.plot(result, cfg.out / f"{cfg.name}.png")
     return result
 

@@ -1,0 +1,152 @@
+"""A grid's result JSON that several worker processes on one machine fill together.
+
+Start the same ``dp-bench grid ... --resume`` command once per core: each worker claims a run before it trains
+it, so no run is trained twice; it merges what the others stored before every write, so no run is lost; and
+writes are atomic (a temporary file renamed over the JSON), so a worker killed mid-write leaves the last
+complete JSON. A claim whose process is gone (a worker killed between sessions) is void, and its run is
+trained again by whoever asks next.
+
+Beside ``<name>.json`` live ``<name>.json.lock`` (an ``fcntl`` lock, held only while the JSON or the claims
+change) and, while runs are in flight, ``<name>.json.claims``; neither belongs in version control.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SharedResult", "atomic_write_json"]
+
+#: the parts of a grid result that workers add to: merged key by key, never overwritten
+MERGED = ("runs", "lr_choice")
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file in the same folder and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, default=float))
+    os.replace(tmp, path)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux ``/proc``), which tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return True  # another machine's worker: it cannot be checked from here
+    pid = int(holder["pid"])
+    if Path("/proc").is_dir():
+        return _start_time(pid) is not None and _start_time(pid) == holder.get("start")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedResult:
+    """The JSON at ``path`` and the in-memory ``result`` of this worker, kept in step (see the module doc)."""
+
+    def __init__(self, path: Path, result: dict[str, Any]) -> None:
+        self.path = path
+        self.result = result
+        for key in MERGED:
+            result.setdefault(key, {})
+        self._lock = path.with_name(path.name + ".lock")
+        self._claims = path.with_name(path.name + ".claims")
+        self._me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _merge(self) -> None:
+        """Take in what other workers stored (runs and lr choices this worker does not have yet)."""
+        if not self.path.is_file():
+            return
+        disk = json.loads(self.path.read_text())
+        for part in MERGED:
+            mine = self.result[part]
+            for key, value in disk.get(part, {}).items():
+                mine.setdefault(key, value)
+
+    def _read_claims(self) -> dict[str, Any]:
+        claims = json.loads(self._claims.read_text()) if self._claims.is_file() else {}
+        return {k: v for k, v in claims.items() if _alive(v)}
+
+    def _write_claims(self, claims: dict[str, Any]) -> None:
+        if claims:
+            atomic_write_json(self._claims, claims)
+        elif self._claims.is_file():
+            self._claims.unlink()
+
+    def _wall(self) -> None:
+        self.result["wall_seconds"] = sum(float(r.get("wall_seconds", 0.0)) for r in self.result["runs"].values())
+
+    def sync(self) -> None:
+        """Merge what the other workers stored since the last look."""
+        with self._locked():
+            self._merge()
+
+    def claim(self, key: str) -> bool:
+        """Reserve the run ``key`` for this worker: False when it is stored or a live worker holds it."""
+        with self._locked():
+            self._merge()
+            if key in self.result["runs"]:
+                return False
+            claims = self._read_claims()
+            if key in claims and claims[key] != self._me:
+                return False
+            claims[key] = self._me
+            self._write_claims(claims)
+            return True
+
+    def put(self, key: str, record: dict[str, Any]) -> None:
+        """Store this worker's finished run and release its claim (the JSON is rewritten, merged)."""
+        with self._locked():
+            self._merge()
+            self.result["runs"][key] = record
+            self._wall()
+            atomic_write_json(self.path, self.result)
+            claims = self._read_claims()
+            claims.pop(key, None)
+            self._write_claims(claims)
+
+    def save(self) -> None:
+        """Rewrite the JSON with this worker's view merged with what is stored."""
+        with self._locked():
+            self._merge()
+            self._wall()
+            atomic_write_json(self.path, self.result)
+
+    def in_flight(self) -> set[str]:
+        """The runs that live workers (this one included) have claimed and not stored yet."""
+        with self._locked():
+            return set(self._read_claims())
+
+    def wait_until_idle(self, poll: float = 10.0) -> None:
+        """Block until no live worker holds a claim, then merge (e.g. before the final analysis)."""
+        while self.in_flight():
+            time.sleep(poll)
+        self.sync()

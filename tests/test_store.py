@@ -1,0 +1,71 @@
+"""dp_bench.store: workers filling one grid JSON — a claimed run is handed to one worker only, what another
+worker stored is merged in before every write, a dead worker's claim is void, and writes are atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dp_bench.store import SharedResult, _start_time, atomic_write_json
+
+
+def test_a_claim_is_exclusive_until_stored_and_workers_merge_what_the_others_stored(tmp_path: Path) -> None:
+    path = tmp_path / "g.json"
+    a, b = SharedResult(path, {"runs": {}}), SharedResult(path, {"runs": {}})
+    b._me = {"pid": os.getppid(), "host": a._me["host"], "start": _start_time(os.getppid())}  # a second, live worker
+    assert a.claim("tune|x|lr1")
+    assert not b.claim("tune|x|lr1")  # held by a live worker
+    assert b.claim("tune|x|lr2")
+    assert a.in_flight() == {"tune|x|lr1", "tune|x|lr2"}
+    a.put("tune|x|lr1", {"final_val": 0.5, "wall_seconds": 2.0})
+    b.put("tune|x|lr2", {"final_val": 0.6, "wall_seconds": 3.0})
+    assert not a.claim("tune|x|lr2")  # stored by b: merged in, not trained again
+    stored = json.loads(path.read_text())
+    assert set(stored["runs"]) == {"tune|x|lr1", "tune|x|lr2"} and stored["wall_seconds"] == 5.0
+    assert not (tmp_path / "g.json.claims").exists()  # no run in flight: no claims file left behind
+    a.sync()
+    assert a.result["runs"]["tune|x|lr2"]["final_val"] == 0.6
+
+
+def test_a_dead_workers_claim_is_void(tmp_path: Path) -> None:
+    path = tmp_path / "g.json"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    a = SharedResult(path, {"runs": {}})
+    atomic_write_json(tmp_path / "g.json.claims", {"eval|x": {"pid": pid, "host": a._me["host"], "start": "1"}})
+    assert a.in_flight() == set()
+    assert a.claim("eval|x")
+
+
+def test_atomic_write_leaves_no_temporary_and_replaces_whole(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    atomic_write_json(path, {"a": 1})
+    atomic_write_json(path, {"b": 2})
+    assert json.loads(path.read_text()) == {"b": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.slow
+def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: Path) -> None:
+    pytest.importorskip("opacus_spectral")
+    from tests.test_grid import synthetic_fmnist
+
+    env = {**os.environ, "FASHION_MNIST_ROOT": str(synthetic_fmnist(tmp_path / "data"))}
+    cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import grid; grid.main(sys.argv[1:])",
+           "--smoke", "--methods", "none", "rmt", "--epsilons", "3", "--out", str(tmp_path), "--name", "w",
+           "--no-references", "--threads", "1", "--resume"]  # fmt: skip
+    workers = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for _ in range(2)]  # fmt: skip
+    outs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
+    trained = [line.split()[0] for out in outs for line in out.splitlines() if line.startswith(("tune|", "eval|"))]
+    saved = json.loads((tmp_path / "w.json").read_text())
+    assert sorted(trained) == sorted(saved["runs"])  # every stored run trained exactly once, by one worker
+    assert len({line for line in outs[0].splitlines() if line.startswith(("tune|", "eval|"))}) < len(trained)
+    evals = [k for k in saved["runs"] if k.startswith("eval|")]
+    assert len(evals) == 2 * 2  # 2 methods x 2 smoke seeds, each once
+    assert "analysis" in saved and not (tmp_path / "w.json.claims").exists()
