@@ -28,10 +28,11 @@ __all__ = ["SharedResult", "atomic_write_json"]
 MERGED = ("runs", "lr_choice")
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file in the same folder and a rename."""
+def atomic_write_json(path: Path, obj: Any, **dumps: Any) -> None:
+    """Write ``obj`` as JSON (``json.dumps(obj, default=float, **dumps)``) to ``path`` through a temporary file in
+    the same folder and a rename: a reader, or a kill mid-write, never sees half a file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, default=float))
+    tmp.write_text(json.dumps(obj, **{"default": float, **dumps}))
     os.replace(tmp, path)
 
 

@@ -52,6 +52,7 @@ from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..probe import probe_federation
+from ..store import atomic_write_json
 from . import federated_report as report
 
 #: --model -> the task factory (dp_bench.task)
@@ -255,7 +256,7 @@ class Grid:
     def save(self) -> None:
         self.result.update(versions=versions(), machine=machine())
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        self.args.out.write_text(json.dumps(self.result, indent=1, allow_nan=True))
+        atomic_write_json(self.args.out, self.result, indent=1, allow_nan=True)
 
 
 def tune(grid: Grid, method: str) -> None:
