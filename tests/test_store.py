@@ -69,3 +69,21 @@ def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: 
     evals = [k for k in saved["runs"] if k.startswith("eval|")]
     assert len(evals) == 2 * 2  # 2 methods x 2 smoke seeds, each once
     assert "analysis" in saved and not (tmp_path / "w.json.claims").exists()
+
+
+@pytest.mark.slow
+def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_path: Path) -> None:
+    pytest.importorskip("flwr_datasets")
+    out = tmp_path / "fed.json"
+    cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import federated; federated.main(sys.argv[1:])",
+           "--smoke", "--out", str(out), "--threads", "1", "--resume", "--no-progress",
+           "--methods", "dp-lora", "la-lora"]  # fmt: skip
+    workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
+    trained = [line.split()[0] for o in outs for line in o.splitlines() if line.strip().startswith(("tune|", "eval|"))]
+    saved = json.loads(out.read_text())
+    keys = [f"{r['phase']}|{r['method']}|eps={r['epsilon']:g}|seed={r['seed']}|lr={r['lr']:g}" for r in saved["runs"]]
+    assert sorted(trained) == sorted(keys) and len(set(keys)) == len(keys)  # each run trained once, stored once
+    assert {r["seed"] for r in saved["runs"] if r["phase"] == "eval"} == {0, 1}
+    assert set(saved["lr_choice"]) == {"dp-lora", "la-lora"} and "analysis" in saved

@@ -17,15 +17,12 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 __all__ = ["SharedResult", "atomic_write_json"]
-
-#: the parts of a grid result that workers add to: merged key by key, never overwritten
-MERGED = ("runs", "lr_choice")
 
 
 def atomic_write_json(path: Path, obj: Any, **dumps: Any) -> None:
@@ -61,13 +58,21 @@ def _alive(holder: dict[str, Any]) -> bool:
 
 
 class SharedResult:
-    """The JSON at ``path`` and the in-memory ``result`` of this worker, kept in step (see the module doc)."""
+    """The JSON at ``path`` and the in-memory ``result`` of this worker, kept in step (see the module doc).
 
-    def __init__(self, path: Path, result: dict[str, Any]) -> None:
+    ``result["runs"]`` is a dict from run key to record (``dp-bench grid``), or — with ``run_id`` — a list of
+    records whose key is ``run_id(record)`` (``dp-bench federated``). ``dumps``: extra ``json.dumps`` options of
+    the file; ``wall``: the record field summed into ``result["wall_seconds"]`` (None: no total)."""
+
+    def __init__(self, path: Path, result: dict[str, Any], *, run_id: Callable[[dict[str, Any]], str] | None = None,
+                 dumps: dict[str, Any] | None = None, wall: str | None = "wall_seconds") -> None:  # fmt: skip
         self.path = path
         self.result = result
-        for key in MERGED:
-            result.setdefault(key, {})
+        self.run_id = run_id
+        self.dumps = dict(dumps or {})
+        self.wall = wall
+        result.setdefault("runs", [] if run_id is not None else {})
+        result.setdefault("lr_choice", {})
         self._lock = path.with_name(path.name + ".lock")
         self._claims = path.with_name(path.name + ".claims")
         self._me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
@@ -82,15 +87,24 @@ class SharedResult:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def keys(self) -> set[str]:
+        """The keys of the runs this worker knows to be stored."""
+        runs = self.result["runs"]
+        return set(runs) if self.run_id is None else {self.run_id(r) for r in runs}
+
     def _merge(self) -> None:
         """Take in what other workers stored (runs and lr choices this worker does not have yet)."""
         if not self.path.is_file():
             return
         disk = json.loads(self.path.read_text())
-        for part in MERGED:
-            mine = self.result[part]
-            for key, value in disk.get(part, {}).items():
-                mine.setdefault(key, value)
+        if self.run_id is None:
+            for key, value in disk.get("runs", {}).items():
+                self.result["runs"].setdefault(key, value)
+        else:
+            have = self.keys()
+            self.result["runs"] += [r for r in disk.get("runs", []) if self.run_id(r) not in have]
+        for key, value in disk.get("lr_choice", {}).items():
+            self.result["lr_choice"].setdefault(key, value)
 
     def _read_claims(self) -> dict[str, Any]:
         claims = json.loads(self._claims.read_text()) if self._claims.is_file() else {}
@@ -102,8 +116,12 @@ class SharedResult:
         elif self._claims.is_file():
             self._claims.unlink()
 
-    def _wall(self) -> None:
-        self.result["wall_seconds"] = sum(float(r.get("wall_seconds", 0.0)) for r in self.result["runs"].values())
+    def _write(self) -> None:
+        if self.wall is not None:
+            runs = self.result["runs"]
+            records = runs.values() if isinstance(runs, dict) else runs
+            self.result["wall_seconds"] = sum(float(r.get(self.wall, 0.0)) for r in records)
+        atomic_write_json(self.path, self.result, **self.dumps)
 
     def sync(self) -> None:
         """Merge what the other workers stored since the last look."""
@@ -114,7 +132,7 @@ class SharedResult:
         """Reserve the run ``key`` for this worker: False when it is stored or a live worker holds it."""
         with self._locked():
             self._merge()
-            if key in self.result["runs"]:
+            if key in self.keys():
                 return False
             claims = self._read_claims()
             if key in claims and claims[key] != self._me:
@@ -127,9 +145,11 @@ class SharedResult:
         """Store this worker's finished run and release its claim (the JSON is rewritten, merged)."""
         with self._locked():
             self._merge()
-            self.result["runs"][key] = record
-            self._wall()
-            atomic_write_json(self.path, self.result)
+            if self.run_id is None:
+                self.result["runs"][key] = record
+            else:
+                self.result["runs"].append(record)
+            self._write()
             claims = self._read_claims()
             claims.pop(key, None)
             self._write_claims(claims)
@@ -138,8 +158,7 @@ class SharedResult:
         """Rewrite the JSON with this worker's view merged with what is stored."""
         with self._locked():
             self._merge()
-            self._wall()
-            atomic_write_json(self.path, self.result)
+            self._write()
 
     def in_flight(self) -> set[str]:
         """The runs that live workers (this one included) have claimed and not stored yet."""

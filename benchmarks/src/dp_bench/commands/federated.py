@@ -52,7 +52,7 @@ from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..probe import probe_federation
-from ..store import atomic_write_json
+from ..store import SharedResult
 from . import federated_report as report
 
 #: --model -> the task factory (dp_bench.task)
@@ -221,9 +221,13 @@ class Grid:
         old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else None
         if old is not None and not resumable(old["config"], config):
             raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
+        if old is None and args.out.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
+            args.out.replace(args.out.with_name(args.out.name + ".old"))
         self.result: dict[str, Any] = {"runs": [], "lr_choice": {}, **(old or {})}
         self.result.update(command=command_line("federated", argv), config=config)
-        self.done = {run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]) for r in self.result["runs"]}
+        #: several workers may run the same --resume command at once (one per core): each run is claimed first
+        self.store = SharedResult(args.out, self.result, dumps={"indent": 1, "allow_nan": True}, wall=None,
+                                  run_id=lambda r: run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]))
         self.task: Task | None = None
         self.task_for: tuple[int, str] | None = None
 
@@ -241,22 +245,26 @@ class Grid:
         return self.task
 
     def run(self, phase: str, method: str, epsilon: float, seed: int, lr: float) -> None:
+        """Train the run unless it is stored or another live worker holds it."""
         key = run_key(phase, method, epsilon, seed, lr)
-        if key in self.done:
+        if not self.store.claim(key):
             return
         rec = one_run(self.args, self.task_of(seed, "val" if phase == "tune" else "test"), phase, method, epsilon,
                       seed, lr)  # fmt: skip
-        self.result["runs"].append(rec)
-        self.done.add(key)
+        self.result.update(versions=versions(), machine=machine())
+        self.store.put(key, rec)
         acc = rec["accuracy"]
         print(f"  {key:<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
               f"{rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s ({rec['cpu_s']:.0f} s CPU)", flush=True)
-        self.save()
+
+    def stored(self, keys: Sequence[str]) -> bool:
+        """Whether every run of ``keys`` is stored (after merging what the other workers stored)."""
+        self.store.sync()
+        return set(keys) <= self.store.keys()
 
     def save(self) -> None:
         self.result.update(versions=versions(), machine=machine())
-        self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.args.out, self.result, indent=1, allow_nan=True)
+        self.store.save()
 
 
 def tune(grid: Grid, method: str) -> None:
@@ -274,6 +282,10 @@ def tune(grid: Grid, method: str) -> None:
     while todo:
         for lr in todo:
             grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
+        while not grid.stored([run_key("tune", method, a.tune_epsilon, a.tune_seed, lr) for lr in todo]):
+            time.sleep(10.0)  # another worker trains a run of this round: the choice needs them all
+            for lr in todo:  # ... unless it died: then its claim is void and the run is trained here
+                grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
         tried = {r["lr"]: report.metric(r, "last3") for r in grid.result["runs"] if r["phase"] == "tune"
                  and r["method"] == method and r["epsilon"] == a.tune_epsilon and r["seed"] == a.tune_seed}  # fmt: skip
         best, todo = lr_edge_step(tried, a.lr_grid, a.max_extensions)
@@ -313,6 +325,7 @@ def run(args: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         for eps in args.epsilons:
             for method in args.methods:
                 grid.run("eval", method, eps, seed, grid.result["lr_choice"][method]["lr"])
+    grid.store.wait_until_idle()  # the other workers' last runs belong in the analysis
     grid.result["wall_s_this_invocation"] = time.perf_counter() - t0
     grid.result["analysis"] = report.analyze(grid.result)
     grid.save()
