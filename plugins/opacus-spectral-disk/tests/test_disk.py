@@ -43,11 +43,12 @@ def test_two_point_gradient_is_the_combination_of_per_example_gradients():
     def loss():
         return nn.functional.mse_loss(gsm(x), y, reduction="mean")
 
+    x_0 = [p.detach().clone() for p in model.parameters()]
     two.backward(loss)  # first step: plain
     opt.step()
     opt.zero_grad()
     x_t = [p.detach().clone() for p in model.parameters()]
-    d = [a - b for a, b in zip(x_t, two._prev, strict=True)]
+    d = [a - b for a, b in zip(x_t, x_0, strict=True)]
     two.backward(loss)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), x_t, strict=True))  # restored exactly
     a = two.a
@@ -66,6 +67,40 @@ def test_two_point_gradient_is_the_combination_of_per_example_gradients():
     for j, p in enumerate(model.parameters()):
         want = torch.stack([a * ahead[i][j] + (1 - a) * here[i][j] for i in range(8)]) * 8
         torch.testing.assert_close(p.grad_sample, want, rtol=1e-4, atol=1e-6)
+
+
+def test_physical_batches_of_one_logical_step_extrapolate_along_the_same_move():
+    """BatchMemoryManager calls backward once per physical batch at the same x_t: each call must extrapolate along
+    d_t = x_t − x_{t−1}, not along the zero move between two physical batches."""
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    model = nn.Linear(5, 3)
+    gsm, opt, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
+        noise_multiplier=0.0, max_grad_norm=1e6, allow_non_private=True, poisson_sampling=False,
+    )  # fmt: skip
+    two = DiskGradient(gsm, kappa=0.7, gamma=0.5)
+
+    def loss(rows: slice):
+        return lambda: nn.functional.mse_loss(gsm(x[rows]), y[rows])
+
+    two.backward(loss(slice(None)))
+    opt.step()
+    opt.zero_grad()
+    state = (two._prev, two._at)
+    two.backward(loss(slice(0, 4)))  # the first physical batch of logical step 1
+    opt.zero_grad()
+    two.backward(loss(slice(4, 8)))  # the second one, same parameters
+    second = [p.grad_sample.clone() for p in model.parameters()]
+    opt.zero_grad()
+    two._prev, two._at = state  # the second half as the first call of that step
+    two.backward(loss(slice(4, 8)))
+    for got, want in zip(second, (p.grad_sample for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want)
+    opt.zero_grad()
+    gsm(x[4:8]).sub(y[4:8]).pow(2).mean().backward()  # the plain gradient differs: the test can fail
+    assert not torch.allclose(second[0], next(model.parameters()).grad_sample)
 
 
 def test_ghost_clipping_is_refused():

@@ -7,6 +7,11 @@ Per example ξ the gradient that Opacus clips and noises is (DiSK, Zhang et al. 
 :meth:`DiskGradient.backward` runs the loss twice — at the extrapolated point and at ``x_t`` — and combines the
 per-sample gradients Opacus computed (``p.grad_sample``) before the optimizer clips them; the parameters are
 restored bit for bit in between. The first step (no ``x_{t−1}`` yet) is an ordinary backward.
+
+A logical step split into physical batches (Opacus's ``BatchMemoryManager``) calls :meth:`~DiskGradient.backward`
+once per physical batch at the same ``x_t``: a call whose parameters equal, bit for bit, those of the previous call
+belongs to the same logical step and extrapolates along the same ``d_t`` (an optimizer step that leaves every
+parameter exactly unchanged is therefore not told apart from a further physical batch).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class DiskGradient:
         self.model = model
         self.kappa, self.gamma = float(kappa), float(gamma)
         self.a = (1.0 - kappa) / (kappa * gamma)
-        self._prev: list[Tensor] | None = None
+        self._prev: list[Tensor] | None = None  #: x_{t−1}, the parameters at the previous logical step
+        self._at: list[Tensor] | None = None  #: x_t, the parameters of the logical step being computed
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -50,6 +56,11 @@ class DiskGradient:
         loss at ``x_t``."""
         params = self._params()
         here = [p.detach().clone() for p in params]
+        same_step = self._at is not None and len(self._at) == len(params) and all(
+            torch.equal(x, at) for x, at in zip(here, self._at, strict=True))  # fmt: skip
+        if not same_step:  # the optimizer moved the parameters: a new logical step, d_t = x_t − x_{t−1}
+            self._prev, self._at = self._at, here
+        # else another physical batch of the same logical step (BatchMemoryManager): the same x_t and d_t
         if self._prev is not None and self.a != 0.0 and len(self._prev) == len(params):
             with torch.no_grad():
                 for p, x, prev in zip(params, here, self._prev, strict=True):
@@ -69,5 +80,4 @@ class DiskGradient:
         else:
             loss = loss_fn()
             loss.backward()
-        self._prev = here
         return loss
