@@ -52,11 +52,11 @@ def test_atomic_write_leaves_no_temporary_and_replaces_whole(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: Path) -> None:
     pytest.importorskip("opacus_spectral")
-    from tests.test_grid import synthetic_fmnist
+    from test_grid import synthetic_fmnist  # the tests folder is on sys.path (pytest's rootdir-relative import)
 
     env = {**os.environ, "FASHION_MNIST_ROOT": str(synthetic_fmnist(tmp_path / "data"))}
     cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import grid; grid.main(sys.argv[1:])",
-           "--smoke", "--methods", "none", "rmt", "--epsilons", "3", "--out", str(tmp_path), "--name", "w",
+           "--smoke", "--methods", "none", "--epsilons", "3", "--out", str(tmp_path), "--name", "w",
            "--no-references", "--threads", "1", "--resume"]  # fmt: skip
     workers = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for _ in range(2)]  # fmt: skip
@@ -67,7 +67,7 @@ def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: 
     assert sorted(trained) == sorted(saved["runs"])  # every stored run trained exactly once, by one worker
     assert len({line for line in outs[0].splitlines() if line.startswith(("tune|", "eval|"))}) < len(trained)
     evals = [k for k in saved["runs"] if k.startswith("eval|")]
-    assert len(evals) == 2 * 2  # 2 methods x 2 smoke seeds, each once
+    assert len(evals) == 2  # 2 smoke seeds, each once
     assert "analysis" in saved and not (tmp_path / "w.json.claims").exists()
 
 
@@ -77,7 +77,7 @@ def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_p
     out = tmp_path / "fed.json"
     cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import federated; federated.main(sys.argv[1:])",
            "--smoke", "--out", str(out), "--threads", "1", "--resume", "--no-progress",
-           "--methods", "dp-lora", "la-lora"]  # fmt: skip
+           "--methods", "la-lora"]  # fmt: skip
     workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
@@ -86,4 +86,5 @@ def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_p
     keys = [f"{r['phase']}|{r['method']}|eps={r['epsilon']:g}|seed={r['seed']}|lr={r['lr']:g}" for r in saved["runs"]]
     assert sorted(trained) == sorted(keys) and len(set(keys)) == len(keys)  # each run trained once, stored once
     assert {r["seed"] for r in saved["runs"] if r["phase"] == "eval"} == {0, 1}
-    assert set(saved["lr_choice"]) == {"dp-lora", "la-lora"} and "analysis" in saved
+    assert set(saved["lr_choice"]) == {"la-lora"} and "analysis" in saved
+    assert {r["lr"] for r in saved["runs"] if r["phase"] == "tune"} >= {0.5, 1.0}  # the tuning round, shared

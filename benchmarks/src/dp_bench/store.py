@@ -22,7 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SharedResult", "atomic_write_json"]
+__all__ = ["POLL_SECONDS", "SharedResult", "atomic_write_json"]
+
+#: how often a waiting worker looks at the JSON again (a look reads the file: cheap next to a run)
+POLL_SECONDS = 2.0
 
 
 def atomic_write_json(path: Path, obj: Any, **dumps: Any) -> None:
@@ -165,7 +168,7 @@ class SharedResult:
         with self._locked():
             return set(self._read_claims())
 
-    def wait_until_idle(self, poll: float = 10.0) -> None:
+    def wait_until_idle(self, poll: float = POLL_SECONDS) -> None:
         """Block until no live worker holds a claim, then merge (e.g. before the final analysis)."""
         while self.in_flight():
             time.sleep(poll)

@@ -52,7 +52,7 @@ from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..probe import probe_federation
-from ..store import SharedResult
+from ..store import POLL_SECONDS, SharedResult
 from . import federated_report as report
 
 #: --model -> the task factory (dp_bench.task)
@@ -283,7 +283,7 @@ def tune(grid: Grid, method: str) -> None:
         for lr in todo:
             grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
         while not grid.stored([run_key("tune", method, a.tune_epsilon, a.tune_seed, lr) for lr in todo]):
-            time.sleep(10.0)  # another worker trains a run of this round: the choice needs them all
+            time.sleep(POLL_SECONDS)  # another worker trains a run of this round: the choice needs them all
             for lr in todo:  # ... unless it died: then its claim is void and the run is trained here
                 grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
         tried = {r["lr"]: report.metric(r, "last3") for r in grid.result["runs"] if r["phase"] == "tune"

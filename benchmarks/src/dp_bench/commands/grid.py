@@ -52,7 +52,7 @@ from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
-from ..store import SharedResult
+from ..store import POLL_SECONDS, SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
 from ..vision import build
@@ -388,7 +388,7 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
                 if mine is None:
                     if not missing or phase == "eval":  # an evaluation run held by another worker: move on
                         break
-                    time.sleep(10.0)  # a tuning round chooses only once every lr of it is stored
+                    time.sleep(POLL_SECONDS)  # a tuning round chooses only once every lr of it is stored
                     store.sync()
                     continue
                 rec = one_run(cfg, task, method, optimizer, batch, eps, keys[mine], seed, steps)
