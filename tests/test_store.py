@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from dp_bench.store import SharedResult, _start_time, atomic_write_json
+
+#: a run key as the grid commands print it when a run is trained (progress bars may share the line)
+RUN_LINE = re.compile(r"(?<![\w|])(?:tune|eval)\|[^\s]+")
 
 
 def test_a_claim_is_exclusive_until_stored_and_workers_merge_what_the_others_stored(tmp_path: Path) -> None:
@@ -62,10 +66,10 @@ def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: 
                for _ in range(2)]  # fmt: skip
     outs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
-    trained = [line.split()[0] for out in outs for line in out.splitlines() if line.startswith(("tune|", "eval|"))]
+    trained = [k for out in outs for k in RUN_LINE.findall(out)]  # the key each worker prints per trained run
     saved = json.loads((tmp_path / "w.json").read_text())
     assert sorted(trained) == sorted(saved["runs"])  # every stored run trained exactly once, by one worker
-    assert len({line for line in outs[0].splitlines() if line.startswith(("tune|", "eval|"))}) < len(trained)
+    assert len(RUN_LINE.findall(outs[0])) < len(trained)  # both workers trained runs
     evals = [k for k in saved["runs"] if k.startswith("eval|")]
     assert len(evals) == 2  # 2 smoke seeds, each once
     assert "analysis" in saved and not (tmp_path / "w.json.claims").exists()
@@ -81,7 +85,7 @@ def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_p
     workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
-    trained = [line.split()[0] for o in outs for line in o.splitlines() if line.strip().startswith(("tune|", "eval|"))]
+    trained = [k for o in outs for k in RUN_LINE.findall(o)]
     saved = json.loads(out.read_text())
     keys = [f"{r['phase']}|{r['method']}|eps={r['epsilon']:g}|seed={r['seed']}|lr={r['lr']:g}" for r in saved["runs"]]
     assert sorted(trained) == sorted(keys) and len(set(keys)) == len(keys)  # each run trained once, stored once
