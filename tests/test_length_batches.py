@@ -53,7 +53,17 @@ def test_length_sorted_batches_keep_each_batch_and_sort_it() -> None:
     assert len(LengthSortedBatches(batches, lengths)) == 3
 
 
-def test_dp_run_in_sorted_trimmed_physical_batches_trains_the_same_weights() -> None:
+def test_dp_run_in_sorted_trimmed_physical_batches_trains_the_same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dp_bench.frozen as frozen
+
+    widths: list[int] = []
+
+    def spy(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = trim_padding(hidden, mask)
+        widths.append(out[1].shape[1])
+        return out
+
+    monkeypatch.setattr(frozen, "trim_padding", spy)  # what BertTop.forward calls
     base = tiny_bert(seed=2)
     ids, mask, labels = _data(64, 20)
     hidden = encode_bottom(base, 1, ids, mask)
@@ -76,7 +86,9 @@ def test_dp_run_in_sorted_trimmed_physical_batches_trains_the_same_weights() -> 
         return [p.detach().clone() for p in model.parameters() if p.requires_grad], [e["loss"] for e in r["per_step"]]
 
     whole, _ = trained(False)
+    assert not widths  # the whole-batch run never trims
     split, _ = trained(True)
+    assert widths and min(widths) < 20  # the sorted physical batches really ran shorter than the padded 20
     start = build_top(task, Trainable.parse("lora:qv:4"), seed=0)
     moved = [p.detach() for p in start.parameters() if p.requires_grad]
     assert max(float((a - b).abs().max()) for a, b in zip(whole, moved, strict=True)) > 1e-3  # it trained
