@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,14 +250,18 @@ def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimize
     every = max(1, steps // cfg.checkpoints)
     eval_at = sorted({0, *range(every, steps + 1, every), steps})
     oracle = ReleasedOracle()
+    sort = isinstance(task, FrozenTextTask) and cfg.physical_batch > 0
+    # evaluation splits sorted by length (load_task): small batches trim their padding (accuracy is batch-free;
+    # MiniLM at 128 rather than 2,000 per batch: evaluation ≈ 2× faster)
+    eval_batch = cfg.physical_batch if sort else 2000
     t0 = time.perf_counter()
     r = run_dp(
         model, task.train, task.test, input_names=task.input_names, post_hooks=hooks, noise_multiplier=nm,
         batch_size=batch,
         steps=steps, seed=seed, lr=lr, optimizer=optimizer, momentum=cfg.momentum if momentum is None else momentum,
-        max_grad_norm=clip, physical_batch=cfg.physical_batch or batch, eval_at=eval_at, eval_batch=2000,
+        max_grad_norm=clip, physical_batch=cfg.physical_batch or batch, eval_at=eval_at, eval_batch=eval_batch,
         oracle=False, per_param=False,
-        sort_by=lengths(task.train) if isinstance(task, FrozenTextTask) and cfg.physical_batch > 0 else None,
+        sort_by=lengths(task.train) if sort else None,
         grad_sample_mode=mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
         on_step=oracle if nm > 0 else None, eval_sets={"val": task.val}, gradient=gradient,
     )  # fmt: skip
@@ -273,15 +277,55 @@ def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimize
     }  # fmt: skip
 
 
-def _choose_lr(result: dict[str, Any], cfg: Config, phase: str, method: str, optimizer: str, batch: int, eps: float,
+def tune_round(result: dict[str, Any], cfg: Config, method: str, optimizer: str, batch: int, eps: float,
                seed: int, max_extensions: int = 3) -> list[float]:  # fmt: skip
-    """Pick the learning rate with the best final validation accuracy among those run; when it lies at an end of
-    what was tried, return the next value outward (a factor 2; at most ``max_extensions`` times) to try first."""
-    prefix = f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
+    """The learning rates of a cell's open tuning round that are not stored yet; ``[]`` once the choice is final.
+
+    A pure function of the stored runs, so every worker sees the same rounds: first ``--lr-grid``; once all of it
+    is stored, the best final validation accuracy among everything tried is recorded in ``result["lr_choice"]``
+    and, when it lies at an end of what was tried, the next value outward (a factor 2; at most
+    ``max_extensions`` times) is the next round (:func:`dp_bench.lr_rule.lr_edge_step`)."""
+    prefix = f"tune|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
     tried = {float(k[len(prefix):]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
-    best, nxt = lr_edge_step(tried, cfg.lr_grid(optimizer, method), max_extensions)
+    base = list(cfg.lr_grid(optimizer, method))
+    missing = [lr for lr in base if lr not in tried]
+    if missing:
+        return missing
+    best, nxt = lr_edge_step(tried, base, max_extensions)
     result["lr_choice"][f"{method}|{optimizer}|B{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
-    return nxt
+    return [lr for lr in nxt if lr not in tried]
+
+
+def next_run(result: dict[str, Any], cfg: Config, plan: Sequence[tuple[str, str, str, int, float, int]],
+             claim: Callable[[str], bool]) -> tuple[tuple[Any, ...] | None, bool, int]:  # fmt: skip
+    """``(run, waiting, done)``: the first run of ``plan`` (in its order) that ``claim`` grants —
+    ``(key, phase, method, optimizer, batch, eps, seed, lr)`` or None —, whether some run is not stored yet but
+    cannot be claimed now (another worker trains it, or its cell's learning rate is not chosen yet), and how many
+    planned cells are complete. A worker that waits for another's tuning run moves on to the next cell's tuning
+    instead of idling; an evaluation run starts once its cell's choice is final."""
+    tuned: set[str] = set()
+    waiting, done = False, 0
+    for phase, method, optimizer, batch, eps, seed in plan:
+        cell = f"{method}|{optimizer}|B{batch}"
+        if phase == "tune":
+            lrs = tune_round(result, cfg, method, optimizer, batch, eps, seed)
+            if not lrs:
+                tuned.add(cell)
+        elif cell in tuned:
+            lrs = [result["lr_choice"][cell]["lr"]]
+        else:  # its learning rate is still being chosen
+            waiting = True
+            continue
+        keys = {run_key(phase, method, optimizer, batch, eps, seed, lr): lr for lr in lrs}
+        missing = [k for k in keys if k not in result["runs"]]
+        if not missing:
+            done += 1
+            continue
+        mine = next((k for k in missing if claim(k)), None)
+        if mine is not None:
+            return (mine, phase, method, optimizer, batch, eps, seed, keys[mine]), True, done
+        waiting = True
+    return None, waiting, done
 
 
 def measure_speed(cfg: Config) -> dict[str, Any]:
@@ -354,8 +398,8 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     """Train every planned run not yet stored. Several workers may run the same ``--resume`` command at once
-    (one per core): :class:`~dp_bench.store.SharedResult` hands each run to one of them, and a tuning round waits
-    for the others' runs before it chooses a learning rate."""
+    (one per core): :class:`~dp_bench.store.SharedResult` hands each run to one of them (:func:`next_run`: a tuning
+    round chooses once all its runs are stored; meanwhile a worker trains the next cell's tuning runs)."""
     from tqdm.auto import tqdm
 
     quiet_warnings()
@@ -375,27 +419,22 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
                    "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
     store = SharedResult(path, result)
     t_start = time.perf_counter()
-    for phase, method, optimizer, batch, eps, seed in tqdm(planned(cfg), desc=f"{cfg.name} grid", unit="cell"):
-        steps = budget(cfg, n, batch)
-        cell = f"{method}|{optimizer}|B{batch}"
+    plan = planned(cfg)
+    bar = tqdm(total=len(plan), desc=f"{cfg.name} grid", unit="cell")
+    while True:
         store.sync()
-        lrs = list(cfg.lr_grid(optimizer, method)) if phase == "tune" else [result["lr_choice"][cell]["lr"]]
-        while lrs:
-            keys = {run_key(phase, method, optimizer, batch, eps, seed, lr): lr for lr in lrs}
-            while True:
-                missing = [k for k in keys if k not in result["runs"]]
-                mine = next((k for k in missing if store.claim(k)), None)
-                if mine is None:
-                    if not missing or phase == "eval":  # an evaluation run held by another worker: move on
-                        break
-                    time.sleep(POLL_SECONDS)  # a tuning round chooses only once every lr of it is stored
-                    store.sync()
-                    continue
-                rec = one_run(cfg, task, method, optimizer, batch, eps, keys[mine], seed, steps)
-                tqdm.write(f"{mine:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} "
-                           f"({rec['wall_seconds']:.0f}s)")  # fmt: skip
-                store.put(mine, rec)
-            lrs = _choose_lr(result, cfg, phase, method, optimizer, batch, eps, seed) if phase == "tune" else []
+        run_, waiting, done = next_run(result, cfg, plan, store.claim)
+        bar.update(done - bar.n)
+        if run_ is None:
+            if not waiting:
+                break
+            time.sleep(POLL_SECONDS)  # every open run is another worker's, or waits for a choice that needs them
+            continue
+        key, phase, method, optimizer, batch, eps, seed, lr = run_
+        rec = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, budget(cfg, n, batch))
+        tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} ({rec['wall_seconds']:.0f}s)")
+        store.put(key, rec)
+    bar.close()
     store.wait_until_idle()
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
     result["analysis"] = report.analyze(result)
