@@ -17,11 +17,16 @@ def mlp(d_in: int = 16, hidden: int = 128, d_out: int = 128, seed: int = 0) -> n
     return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
 
 
-def loader(n: int = 64, batch: int = 16, d_in: int = 16, d_out: int = 128, seed: int = 0) -> DataLoader:
+def loader(
+    n: int = 64, batch: int = 16, d_in: int = 16, d_out: int = 128, seed: int = 0, sampler_seed: int | None = None
+) -> DataLoader:
+    """A regression loader; ``sampler_seed`` gives it an explicit generator, which Opacus' Poisson sampler then uses
+    (so two engines sample identically)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=g)
     y = torch.randn(n, d_out, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch)
+    sampler = None if sampler_seed is None else torch.Generator().manual_seed(sampler_seed)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, generator=sampler)
 
 
 class Recorder(Denoiser):

@@ -149,7 +149,7 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
     with pytest.raises(SystemExit, match="usage: dp-bench"):
         cli.run(["no-such-command"])
     assert set(cli.COMMANDS) == {"demo", "centralized", "regime-map", "federated", "overhead", "noise-std",
-                                 "isolation-cost", "grid", "audit"}  # fmt: skip
+                                 "isolation-cost", "grid", "audit", "overhead-llm"}  # fmt: skip
     for module in cli.COMMANDS.values():  # every command has a config dataclass and a main
         mod = __import__(module, fromlist=["main"])
         assert callable(mod.main)

@@ -56,7 +56,8 @@ def _step(gsm, dp_opt, dl):
 
 
 def _train(engine_cls, *, steps=3, mode="hooks", seed=0, **mp_kwargs):
-    """A few DP-SGD steps on an MLP regression task; returns final params, epsilon, engine."""
+    """A few DP-SGD steps on an MLP regression task; returns final params, epsilon, engine. Noise and Poisson sample
+    come from explicit generators seeded from ``seed``, so any two engines can be compared bit for bit."""
     torch.manual_seed(seed)
     model = mlp(hidden=32, d_out=4, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
@@ -64,7 +65,7 @@ def _train(engine_cls, *, steps=3, mode="hooks", seed=0, **mp_kwargs):
     out = engine.make_private(
         module=model,
         optimizer=opt,
-        data_loader=loader(64, 16, d_out=4, seed=seed),
+        data_loader=loader(64, 16, d_out=4, seed=seed, sampler_seed=seed + 200),
         noise_multiplier=NM,
         max_grad_norm=C,
         grad_sample_mode=mode,
@@ -423,3 +424,45 @@ def test_checkpoint_keeps_stateful_denoiser_state(tmp_path):
     plain = PrivacyEngine(accountant="rdp")
     with pytest.raises(ValueError, match="post-hook"):
         plain.load_checkpoint(path=tmp_path / "ckpt.pt", module=gsm2, optimizer=dp_opt2)
+
+
+@pytest.mark.parametrize(
+    "clipping, bad",
+    [("flat", 0.0), ("flat", -1.0), ("flat", float("inf")), ("flat", float("nan")), ("flat", True), ("flat", "1"),
+     ("per_layer", [1.0, 0.0, 1.0, 1.0]), ("per_layer", [1.0, float("inf"), 1.0, 1.0]), ("per_layer", []),
+     ("adaptive", 0.0)],
+)  # fmt: skip
+@pytest.mark.parametrize("entry", ["make_private", "make_private_with_epsilon"])
+def test_max_grad_norm_must_be_finite_and_positive(clipping, bad, entry):
+    """Upstream: 0 trains nothing while ε is accounted, inf gives non-finite weights, -1 a raw torch error."""
+    torch.manual_seed(0)
+    model = mlp(hidden=32, d_out=4)
+    engine = PrivacyEngine(accountant="rdp")
+    common = {"module": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+              "data_loader": loader(64, 16, d_out=4), "max_grad_norm": bad, "clipping": clipping}  # fmt: skip
+    if clipping == "adaptive":
+        common.update(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
+                      min_clipbound=0.01, unclipped_num_std=2.0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"max_grad_norm must be a finite number > 0.*got"):
+        if entry == "make_private":
+            engine.make_private(noise_multiplier=NM, **common)
+        else:
+            engine.make_private_with_epsilon(target_epsilon=3.0, target_delta=1e-5, epochs=1, **common)
+    assert engine.doctor is None and len(engine.accountant) == 0  # refused before anything was set up
+
+
+def test_max_grad_norm_zero_upstream_trains_nothing_while_epsilon_grows():
+    torch.manual_seed(0)
+    model = mlp(hidden=32, d_out=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    gsm, opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM, max_grad_norm=0.0,
+    )  # fmt: skip
+    x, y = next(iter(dl))
+    opt.zero_grad()
+    nn.functional.mse_loss(gsm(x), y).backward()
+    opt.step()
+    assert engine.get_epsilon(1e-5) > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # noise std = σ·0 = 0

@@ -85,7 +85,9 @@ def test_federate_smoke_two_rounds(tmp_path, capsys):
     assert res["config"]["algo"] == "la-lora" and res["config"]["filter"] == "binomial5"
     assert res["config"]["num_clients"] == 3 and res["config"]["alpha"] == 0.5
     assert [r["round"] for r in res["rounds"]] == [1, 2]
-    assert sum(map(sum, res["partition"]["label_histograms"])) == 96
+    # no per-client label counts and no noise-free training loss unless the operator opts in (test_fed_privacy.py)
+    assert sum(res["partition"]["sizes"]) == 96 and "label_histograms" not in res["partition"]
+    assert all(r["train_loss"] is None for r in res["rounds"])
     assert res["noise"]["reproducible"] is False and res["config"]["reproducible_noise"] is False
     assert res["failed_rounds"] == []
     assert "max ε" in capsys.readouterr().out

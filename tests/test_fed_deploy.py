@@ -103,13 +103,16 @@ def test_run_flower_forwards_insecure_and_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(LocalFederation, "start", fake_start)
     from peft_lalora.federated.federation import FederationConfig
 
+    # run_flower computes the plan from the shared source first (the operator's process): a buildable task
+    small = dict(task="dp_bench.task:tiny", num_clients=2, n_train=32, n_test=16, alpha=1.0)
+
     with pytest.warns(RuntimeWarning, match="unencrypted"), pytest.raises(Stop):
-        launcher.run_flower(FederationConfig(num_clients=2), workdir=tmp_path, insecure=True)
+        launcher.run_flower(FederationConfig(**small), workdir=tmp_path, insecure=True)
     assert seen == {"tls": None}
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(Stop):
-            launcher.run_flower(FederationConfig(num_clients=2), workdir=tmp_path / "s")
+            launcher.run_flower(FederationConfig(**small), workdir=tmp_path / "s")
     assert seen["tls"].ca_cert == (tmp_path / "s" / "credentials" / "ca.pem").resolve()
 
 

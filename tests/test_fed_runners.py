@@ -24,6 +24,7 @@ from peft_lalora.federated.federation import (  # noqa: E402
     build_partition,
     build_task,
 )
+from peft_lalora.federated.plan import planned_config  # noqa: E402
 from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 
 # Runner equality needs noise that is a function of the seeds: opt in (experiments only).
@@ -207,7 +208,8 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
 
     torch.set_num_threads(1)
     cfg = FederationConfig(**{**CFG, "num_clients": 3, "fraction": 0.67, "n_train": 72})
-    run_config = {**cfg.to_dict(), "result-path": str(tmp_path / "r.json"), "state-path": str(tmp_path / "s.pt")}
+    planned, _ = planned_config(cfg, build_task(cfg))  # the operator's plan: the ServerApp reads no client data
+    run_config = {**planned.to_dict(), "result-path": str(tmp_path / "r.json"), "state-path": str(tmp_path / "s.pt")}
     node_ids = [309, 101, 205]  # arbitrary ids; the server assigns partitions 0, 1, 2 in sorted id order
     pids = {101: 0, 205: 1, 309: 2}
     contexts = {
@@ -273,7 +275,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     nan = {k: torch.full_like(v, float("nan")) for k, v in g0.items()}
     bad = [
         Message(Error(code=0, reason="client crashed"), reply_to=_train_message(flower_app, g0, 1, 1)),
-        reply(2, g0, 1, **{"num-examples": None}),
+        reply(2, g0, 1, **{"dp-steps": None}),
         reply(3, nan, 2),
     ]
     arrays, metrics = strategy.aggregate_train(1, bad)

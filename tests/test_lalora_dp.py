@@ -232,12 +232,14 @@ def test_dp_optimizer_without_opacus_spectral_gives_install_hint(monkeypatch) ->
 
 
 def test_dp_checkpoint_resume_mid_round_reproduces_uninterrupted_run(tmp_path) -> None:
-    """Model, DP optimizer, accountant, controller and RNG state saved after step 4 (mid round 1);
-    a fresh process-like rebuild continues with the same phases and bit-identical weights."""
+    """Model, DP optimizer, accountant, controller and noise-generator state saved after step 4 (mid round 1);
+    a fresh process-like rebuild continues with the same phases and bit-identical weights. (The engine draws its
+    noise from OS entropy by default; a test that replays the noise passes its own generator and saves it.)"""
 
     def fresh():
         torch.manual_seed(10)
-        objs = _private("gpt2", "step", "A", "hooks", n=64, poisson_sampling=False, init_b=True)
+        objs = _private("gpt2", "step", "A", "hooks", n=64, poisson_sampling=False, init_b=True,
+                        noise_generator=torch.Generator().manual_seed(3))
         return (*objs[:4], list(objs[4]), *objs[5:])  # materialise batches: iterating a loader draws from the RNG
 
     def steps(objs, idx, log):
@@ -259,7 +261,7 @@ def test_dp_checkpoint_resume_mid_round_reproduces_uninterrupted_run(tmp_path) -
     model, _, dp_opt, _, _, ctrl, _, engine = objs
     torch.save(
         {"model": model.state_dict(), "opt": dp_opt.state_dict(), "ctrl": ctrl.state_dict(),
-         "acct": engine.accountant.state_dict(), "rng": torch.get_rng_state()},
+         "acct": engine.accountant.state_dict(), "rng": torch.get_rng_state(), "noise": dp_opt.generator.get_state()},
         tmp_path / "ckpt.pt",
     )
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
@@ -270,6 +272,7 @@ def test_dp_checkpoint_resume_mid_round_reproduces_uninterrupted_run(tmp_path) -
     engine.accountant.load_state_dict(ckpt["acct"])
     ctrl.load_state_dict(ckpt["ctrl"])
     torch.set_rng_state(ckpt["rng"])
+    dp_opt.generator.set_state(ckpt["noise"])
     steps(objs, range(4, 7), part)
     assert part == full == ["A", "B", "A", "B", "A", "B", "A"]
     for n, p in model.named_parameters():

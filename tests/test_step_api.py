@@ -100,10 +100,11 @@ def test_skipped_nonfinite_step_is_counted_and_reported() -> None:
     x_all = x_all.clone()
     x_all[3] = float("nan")  # one poisoned example in the first batch
     data = DataLoader(TensorDataset(x_all, y_all), batch_size=16)
-    handle, gsm, dp_opt, dl, _ = _private([Recorder()], data=data, on_nonfinite_grad="skip_step")
+    handle, gsm, dp_opt, _, _ = _private([Recorder()], data=data, on_nonfinite_grad="skip_step")
     calls: list[tuple[int, StepDiagnostics | None]] = []
     handle.add_step_callback(lambda i, d: calls.append((i, d)))
-    batches = list(dl)
+    # fixed batches (the Poisson sample is drawn from OS entropy): the first holds the poisoned example
+    batches = [(x_all[:16], y_all[:16]), (x_all[16:32], y_all[16:32])]
     with pytest.warns(RuntimeWarning, match="skipping the step"):
         _step(gsm, dp_opt, *batches[0])
     _step(gsm, dp_opt, *batches[1])

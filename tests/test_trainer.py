@@ -1,6 +1,7 @@
 """DPTrainer (opacus_spectral.hf): the HF Trainer with DP-SGD. Pinned against a hand-written Opacus loop (same
-σ, accountant history and ε; the same weights up to summation order), one noise draw per logical batch, per-example
-clipping over the whole logical batch under gradient accumulation, empty Poisson batches, resume, refusals."""
+σ, accountant history and ε; with the same noise_seed the same weights up to summation order), one noise draw per
+logical batch, per-example clipping over the whole logical batch under gradient accumulation, empty Poisson
+batches, resume, refusals. Privacy around the Trainer (seeds, logs, tampered checkpoints): test_trainer_privacy.py."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ import pytest
 import torch
 from dp_bench.data import synthetic_text_task, tiny_bert
 from opacus.utils.batch_memory_manager import BatchMemoryManager
-from opacus_spectral.hf import DP_STATE_FILE, DPTrainer
+from opacus_spectral.hf import DPTrainer
+from opacus_spectral.trainer_budget import epsilon_after
+from opacus_spectral.trainer_state import DP_STATE_FILE
 from peft import PeftModel, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import peft_lalora  # noqa: F401  (registers the LALORA PEFT type)
-from opacus_spectral import PrivacyEngine
+from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
 from peft_lalora import AlternationController, LALoraConfig
 
 N, PHYSICAL, ACCUM, LR = 64, 8, 2, 1e-2  # logical batch 16, sample rate 1/4, 4 steps per epoch
+NOISE_SEED = 2024  # the comparison with the hand-written loop needs the same noise (reproducible, not private)
 
 
 def lalora_model(seed: int = 0, alternation: str = "step") -> nn.Module:
@@ -61,7 +65,7 @@ def trainer(tmp_path, model=None, *, train_args=None, **kw) -> DPTrainer:
                      optimizers=(adamw(model), None), **dp)  # fmt: skip
 
 
-class Seed(hf.TrainerCallback):
+class Seed(TrainerCallback):
     """Reseeds the global RNG where the hand-written loop does (before the first batch is drawn)."""
 
     def on_train_begin(self, *a, **k):
@@ -74,7 +78,8 @@ def hand_written_loop(steps: int, post_hooks):
     ds = dataset()
     ds = ds.rename_column("label", "labels")
     optimizer = adamw(model)
-    engine = PrivacyEngine(accountant="rdp")
+    with pytest.warns(ReproducibleNoiseWarning):
+        engine = PrivacyEngine(accountant="rdp", noise_seed=NOISE_SEED)
     _, dp_opt, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(ds, batch_size=PHYSICAL * ACCUM),
         target_epsilon=3.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0, wrap_model=False, post_hooks=post_hooks,
@@ -99,7 +104,8 @@ def lora_state(model):
 def test_trainer_run_matches_hand_written_opacus_loop(tmp_path):
     model = lalora_model()
     before = lora_state(model)
-    t = trainer(tmp_path, model, post_hooks=["rmt"])
+    with pytest.warns(ReproducibleNoiseWarning, match="NOT differentially private"):
+        t = trainer(tmp_path, model, post_hooks=["rmt"], noise_seed=NOISE_SEED)
     t.add_callback(Seed())
     t.train()
     hand_model, hand_engine, hand_opt = hand_written_loop(4, ["rmt"])
@@ -117,7 +123,7 @@ def test_trainer_run_matches_hand_written_opacus_loop(tmp_path):
     assert all(not torch.equal(before[n], after[n]) for n in before)  # both factors moved (alternation)
     assert t.controller is not None and t.controller.total_steps == 4
     hand = lora_state(hand_model)
-    # the same Poisson batches and noise draws; only the split of a logical batch (summation order) differs
+    # the same noise_seed: the same Poisson batches and noise draws; only the split of a logical batch differs
     assert max((after[n] - hand[n]).abs().max().item() for n in after) < 1e-4
     assert t.privacy_engine.post_hooks.diagnostics.steps == 4
 
@@ -232,8 +238,10 @@ def test_empty_poisson_batches_still_add_noise(tmp_path, monkeypatch):
     edit_logical_batches(monkeypatch, lambda step, batch: [] if step == 1 else batch[:1] if step == 2 else batch)
     for mode in ("hooks", "ghost"):
         rec = Recorder()
+        # doctor=False: training on batches other than the ones Poisson drew is what the doctor's batch check
+        # catches (tests/test_doctor_silent.py); here the edit is the point
         t = trainer(tmp_path, noise_multiplier=1.0, target_epsilon=None, post_hooks=[rec], grad_sample_mode=mode,
-                    train_args=args(tmp_path, max_steps=3))  # fmt: skip
+                    train_args=args(tmp_path, max_steps=3), doctor=False)  # fmt: skip
         t.train()
         assert t.state.global_step == 3 and t.privacy_engine.accountant.history == [(1.0, 0.25, 3)]
         assert all(g.abs().sum() > 0 for g, _ in rec.steps[1].values())  # pure noise at the empty step
@@ -245,7 +253,8 @@ def test_budget_stops_training_within_target_epsilon(tmp_path):
         t.train()
     steps = t.state.global_step
     assert steps == t.budget_steps == 6  # RDP, sigma 1.5, q 1/4: epsilon(6 steps) = 2.878, epsilon(7) = 3.052
-    assert t.get_epsilon() <= 3.0 < t._epsilon_after(1)
+    after_one = epsilon_after(t.privacy_engine.accountant, 1, noise_multiplier=1.5, sample_rate=0.25, delta=1e-5)
+    assert t.get_epsilon() <= 3.0 < after_one
 
 
 def test_resume_restores_accountant_and_denoiser_state(tmp_path):
@@ -289,6 +298,12 @@ def test_refuses_what_cannot_work(tmp_path, change, match):
         setattr(a, k, v)
     with pytest.raises(ValueError, match=match):
         trainer(tmp_path, train_args=a)
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan")])
+def test_refuses_a_clipping_bound_that_is_not_finite_and_positive(tmp_path, bound):
+    with pytest.raises(ValueError, match=r"max_grad_norm \(the per-example clipping bound C\) must be finite and > 0"):
+        trainer(tmp_path, max_grad_norm=bound)
 
 
 def test_refuses_multi_gpu_without_ddp_and_bad_arguments(tmp_path, monkeypatch):
@@ -337,9 +352,10 @@ def test_docs_example_runs(tmp_path, monkeypatch):
     assert (tmp_path / "dp-lalora" / "adapter" / "adapter_config.json").is_file()
 
 
-def test_token_level_labels_need_ghost_clipping(tmp_path):
-    """Hooks mode: the model's loss averages over the batch's tokens (examples coupled) -> refused. Ghost mode:
-    each example's mean over its own tokens -> trains."""
+def test_token_level_labels_are_each_examples_own_mean_in_hooks_and_ghost(tmp_path):
+    """Token classification (PEFT TOKEN_CLS): each example's loss is the mean over its own labelled tokens (never
+    the model's mean over the batch's tokens, which couples the examples), so hooks and ghost mode release the same
+    gradient (noise 0, the same noise_seed: the same Poisson batch); the task comes from the PEFT task_type."""
     import datasets
     from dp_bench.data import tiny_bert_config
     from peft import LoraConfig
@@ -349,15 +365,23 @@ def test_token_level_labels_need_ghost_clipping(tmp_path):
     ids, mask = base["input_ids"], base["attention_mask"]
     labels = (ids % 2).masked_fill(mask == 0, -100)
     ds = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": mask, "labels": labels}).with_format("torch")
+    released = {}
     for mode in ("hooks", "ghost"):
         torch.manual_seed(0)
         model = get_peft_model(BertForTokenClassification(tiny_bert_config()),
                                LoraConfig(r=4, target_modules=["query", "value"], task_type="TOKEN_CLS"))  # fmt: skip
-        t = DPTrainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=ds, noise_multiplier=1.0,
-                      target_delta=1e-5, accountant="rdp", grad_sample_mode=mode)  # fmt: skip
-        if mode == "hooks":
-            with pytest.raises(ValueError, match="token-level labels"):
-                t.train()
-        else:
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        rec = Recorder()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = DPTrainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=ds, noise_multiplier=0.0,
+                          target_delta=1e-5, accountant="rdp", grad_sample_mode=mode, max_grad_norm=0.05,
+                          post_hooks=[rec], noise_seed=NOISE_SEED, make_private_kwargs={"allow_non_private": True})
             t.train()
-            assert t.state.global_step == 1 and t.get_epsilon() > 0
+        assert t.task == "token_classification" and t.state.global_step == 1
+        released[mode] = rec.steps[0]
+    assert set(released["hooks"]) == set(released["ghost"])
+    for n, (g, _) in released["hooks"].items():
+        torch.testing.assert_close(g, released["ghost"][n][0], atol=1e-7, rtol=1e-4)

@@ -14,6 +14,7 @@ COMMANDS = {
     "regime-map": "dp_bench.commands.regime_map",
     "federated": "dp_bench.commands.federated",
     "overhead": "dp_bench.commands.overhead",
+    "overhead-llm": "dp_bench.commands.overhead_llm",
     "noise-std": "dp_bench.commands.noise_std",
     "isolation-cost": "dp_bench.commands.isolation_cost",
     "audit": "dp_bench.commands.audit",

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -254,32 +255,43 @@ def encode_bottom_memo(full: nn.Module, k: int, cols: dict[str, torch.Tensor]) -
 
 class CachedTask(Task):
     """A federated :class:`~peft_lalora.federated.task.Task` whose bottom ``k`` layers are frozen: its tensors are
-    the cached hidden states, its model is :class:`~dp_bench.frozen.BertTop` (LoRA goes on the layers above)."""
+    the cached hidden states, its model is :class:`~dp_bench.frozen.BertTop` (LoRA goes on the layers above). A
+    split is loaded and encoded on first use only (the Flower server needs the model, not the clients' rows)."""
 
     def __init__(self, raw: Task, k: int, pooling: str) -> None:
-        full = raw.model()
-        hidden = {}
-        for split, ds in (("train", raw.train), ("test", raw.test)):
-            cols = dict(zip(raw.columns, to_tensor_dataset(ds, raw.columns).tensors, strict=True))
-            hidden[split] = encode_bottom_memo(full, k, cols)
         factory = raw.model_factory
         super().__init__(
             name=f"{raw.name}[frozen {k}]",
-            train=raw.train,
-            test=raw.test,
+            train=lambda: raw.train,
+            test=lambda: raw.test,
             num_labels=raw.num_labels,
             columns=(*FROZEN_INPUTS, "label"),
             model_factory=lambda: BertTop(factory(), k, pooling=pooling),
             group_column=raw.group_column,
             key=raw.key,
+            test_from_train=raw.test_from_train,
         )
-        self.k, self.pooling, self.hidden = k, pooling, hidden
+        self.k, self.pooling, self._raw, self._hidden, self._full = k, pooling, raw, {}, None
+
+    def encoded(self, split: str) -> torch.Tensor:
+        """The hidden states after the frozen layers for ``split`` (computed once)."""
+        if split not in self._hidden:
+            raw = self._raw
+            ds = raw.train if split == "train" else raw.test
+            cols = dict(zip(raw.columns, to_tensor_dataset(ds, raw.columns).tensors, strict=True))
+            self._full = self._full or raw.model()
+            self._hidden[split] = encode_bottom_memo(self._full, self.k, cols)
+        return self._hidden[split]
+
+    @property
+    def hidden(self) -> dict[str, torch.Tensor]:
+        return {split: self.encoded(split) for split in ("train", "test")}
 
     def tensors(self, split: str, indices: Any = None) -> torch.utils.data.TensorDataset:
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         plain = (self.train if split == "train" else self.test).with_format(None)
-        cols = {"inputs_embeds": self.hidden[split]}
+        cols = {"inputs_embeds": self.encoded(split)}
         for c in ("attention_mask", "label"):
             cols[c] = torch.as_tensor(np.asarray(plain[c]))
         if indices is not None:
@@ -297,16 +309,22 @@ def _split_eval(train: Any, test: Any, opts: TaskOptions, split_seed: int) -> tu
     return train.select(keep), (train.select(val) if opts.eval_split == "val" else test)
 
 
-def _federated(name: str, cfg: Any, opts: TaskOptions, splits: tuple[Any, Any], num_labels: int,
+def _federated(name: str, cfg: Any, opts: TaskOptions, load_train: Any, load_test: Any, num_labels: int,
                columns: tuple[str, ...], make: Any, group_column: str | None = None) -> Task:  # fmt: skip
-    """The task from its raw splits: validation carved, head fixed if asked, bottom layers cached if asked."""
-    train, evaluated = _split_eval(*splits, opts, opts.seed(cfg.seed))
+    """The task from loaders of its raw splits (each called on first use): validation carved, head fixed if asked,
+    bottom layers cached if asked. With ``eval_split="val"`` the evaluated split comes from the training source."""
+    s = opts.seed(cfg.seed)
+    if opts.eval_split == "val":
+        memo = functools.cache(lambda: _split_eval(load_train(), None, opts, s))
+        train, evaluated = (lambda: memo()[0]), (lambda: memo()[1])
+    else:
+        train, evaluated = (lambda: _split_eval(load_train(), None, opts, s)[0]), load_test
 
     def model() -> nn.Module:
         return fix_classifier(make()) if opts.head == "fixed" else make()
 
     task = Task(f"{name}[{opts.eval_split}]", train, evaluated, num_labels, columns, model_factory=model,
-                group_column=group_column)  # fmt: skip
+                group_column=group_column, test_from_train=opts.eval_split == "val")  # fmt: skip
     return CachedTask(task, opts.frozen_layers, opts.pooling) if opts.frozen_layers else task
 
 
@@ -316,11 +334,16 @@ def tiny(cfg: Any) -> Task:
     n_lab = cfg.num_labels or 2
     seq = cfg.seq_len or 16
     s = opts.seed(cfg.seed)
-    train = D.synthetic_text_task(cfg.n_train or 512, seq_len=seq, seed=s, num_labels=n_lab)
-    test = D.synthetic_text_task(cfg.n_test or 256, seq_len=seq, seed=s + 10_007, num_labels=n_lab)
+
+    def train() -> Any:
+        return D.synthetic_text_task(cfg.n_train or 512, seq_len=seq, seed=s, num_labels=n_lab)
+
+    def test() -> Any:
+        return D.synthetic_text_task(cfg.n_test or 256, seq_len=seq, seed=s + 10_007, num_labels=n_lab)
+
     cols = ("input_ids", "attention_mask", "token_type_ids", "label")
     seed = cfg.seed
-    return _federated("tiny", cfg, opts, (train, test), n_lab, cols, lambda: D.tiny_bert(num_labels=n_lab, seed=seed))
+    return _federated("tiny", cfg, opts, train, test, n_lab, cols, lambda: D.tiny_bert(num_labels=n_lab, seed=seed))
 
 
 def minilm_rt(cfg: Any) -> Task:
@@ -329,15 +352,21 @@ def minilm_rt(cfg: Any) -> Task:
 
     opts = TaskOptions.parse(cfg.task_option_dict())
     s = opts.seed(cfg.seed)
-    splits = D.load_rotten_tomatoes("packaged", seed=s)
+    splits = functools.cache(lambda: D.load_rotten_tomatoes("packaged", seed=s))
     tokenizer = AutoTokenizer.from_pretrained(D.minilm_path(), local_files_only=True)
     seq = cfg.seq_len or 64
-    train = D.tokenize(subsample(splits["train"], cfg.n_train, s), tokenizer, max_length=seq)
-    test = D.tokenize(subsample(splits["test"], cfg.n_test, s + 1), tokenizer, max_length=seq)
-    cols = tuple(c for c in ("input_ids", "attention_mask", "token_type_ids", "label") if c in train.column_names)
+
+    def train() -> Any:
+        return D.tokenize(subsample(splits()["train"], cfg.n_train, s), tokenizer, max_length=seq)
+
+    def test() -> Any:
+        return D.tokenize(subsample(splits()["test"], cfg.n_test, s + 1), tokenizer, max_length=seq)
+
+    names = ("input_ids", "attention_mask", "token_type_ids", "label")
+    cols = tuple(c for c in names if c == "label" or c in tokenizer.model_input_names)
     seed = cfg.seed
 
     def make() -> nn.Module:
         return D.load_minilm(num_labels=2, seed=seed)[0]
 
-    return _federated("minilm-rt", cfg, opts, (train, test), 2, cols, make, group_column="movie_name")
+    return _federated("minilm-rt", cfg, opts, train, test, 2, cols, make, group_column="movie_name")

@@ -2,9 +2,10 @@
 
 Opacus DP-SGD through ``opacus_spectral.PrivacyEngine``: Poisson sampling, flat clipping, logical batches of
 expected size ``batch_size`` split into physical batches by Opacus' ``BatchMemoryManager``, the given
-``post_hooks``. The noise generator and the Poisson sampler follow the global RNG seeded with ``seed + 1``
-right before ``make_private``, so runs of different methods with the same ``seed`` share their batches and
-noise draws (common random numbers). A logical step is recognised through the post-hook handle's
+``post_hooks``. The noise generator and the Poisson sampler are derived from ``noise_seed=seed + 1`` (the
+engine's explicit reproducible mode, docs/engine.md "Noise, seeds and reproducibility": an experiment, not a
+release), so runs of different methods with the same ``seed`` share their batches and noise draws (common random
+numbers). A logical step is recognised through the post-hook handle's
 ``logical_steps`` counter (not by comparing diagnostics). Per logical step it records the loss, σ, and —
 with ``oracle=True`` — cos(noisy, clean) and cos(denoised, clean) globally and per parameter, and which
 matrices ``rmt`` gated; test accuracy at ``eval_at`` steps through :func:`peft_lalora.federated.evaluate.
@@ -14,6 +15,7 @@ classification_metrics`.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -135,15 +137,17 @@ def run_dp(
     from opacus.utils.batch_memory_manager import BatchMemoryManager
     from tqdm.auto import tqdm
 
-    from opacus_spectral import PrivacyEngine
+    from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
 
     quiet_warnings()
     eval_at = set(eval_at)
     loader = torch.utils.data.DataLoader(train, batch_size=batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params, optimizer, lr, momentum)
-    torch.manual_seed(seed + 1)  # same Poisson batches and noise draws for every method of a seed
-    engine = PrivacyEngine(accountant=accountant)
+    torch.manual_seed(seed + 1)  # the rest of the run's randomness (dropout) is shared by every method of a seed
+    with warnings.catch_warnings():  # paired noise is this experiment's design; the warning is the reminder
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        engine = PrivacyEngine(accountant=accountant, noise_seed=seed + 1)  # same batches and noise per seed
     out = engine.make_private(
         module=model, optimizer=opt, data_loader=loader, noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm, poisson_sampling=True, post_hooks=list(post_hooks), oracle=oracle,

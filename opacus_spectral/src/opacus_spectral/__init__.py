@@ -15,7 +15,9 @@ from .engine import PrivacyEngine
 from .grad_sample import set_trainable
 from .hookspecs import hookimpl
 from .installation import PostHookHandle, install_post_hooks
+from .losses import causal_lm_loss
 from .lowpass import LowPassDenoiser
+from .noise_source import ReproducibleNoiseWarning
 from .pipeline import (
     DenoiserError,
     NonFiniteGradientError,
@@ -56,8 +58,10 @@ __all__ = [
     "PostNoisePipeline",
     "PrivacyEngine",
     "RMTDenoiser",
+    "ReproducibleNoiseWarning",
     "StepDiagnostics",
     "available_denoisers",
+    "causal_lm_loss",
     "get_registry",
     "hookimpl",
     "install_post_hooks",

@@ -15,6 +15,13 @@ When the checks run, and what they cost:
   model's trainable parameters are the optimizer's, and every trainable parameter has Opacus' per-sample hooks;
 * on every inner optimizer step (an int compare): it followed Opacus' noisy step, and the accountant counted
   that step exactly once (the doctor chains onto Opacus' ``step_hook``, after the accountant);
+* on every DP step, when the doctor watches the DP data loader (:meth:`Doctor.watch_batches`; CPU integers, no
+  sync): the step trained on a batch that loader yielded, and its per-sample gradients have one row per record
+  of that batch (:mod:`.doctor_batches`);
+* on every DP step: no parameter moved between the first training forward after the previous DP step and this one
+  (:mod:`.doctor_fingerprint`: fused norms on the device, read without waiting);
+* on every DP step without a denoiser pipeline (``post_hooks=None``): the noisy gradient is finite, checked before
+  the optimizer updates (one fused norm and one host sync per logical step; a pipeline checks it itself);
 * on the first DP step only: every trainable parameter has per-sample state and a noisy gradient, and moved
   (one copy of the trainable parameters, freed after the step).
 """
@@ -30,6 +37,9 @@ from opacus.grad_sample import GradSampleHooksFastGradientClipping
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from .doctor_batches import BatchObserver, per_sample_rows
+from .doctor_fingerprint import ParameterFingerprint, tensor_norms
+from .installation import HANDLE_ATTR
 from .parameters import unwrap
 
 DoctorMode = Literal["warn", "raise"]
@@ -85,10 +95,18 @@ class Doctor:
         module: the model ``make_private`` returned (GradSampleModule, hooks object or the model itself).
         accountant: the engine's accountant (``None``: the accounting check is off).
         mode: ``"warn"`` or ``"raise"``.
+        data_loader: the data loader ``make_private`` returned, whose batches the DP steps must train on
+            (``None``: the sampling and batch-dimension checks wait for :meth:`watch_batches`).
     """
 
     def __init__(
-        self, dp_optimizer: DPOptimizer, module: Any, *, accountant: Any = None, mode: DoctorMode = "warn"
+        self,
+        dp_optimizer: DPOptimizer,
+        module: Any,
+        *,
+        accountant: Any = None,
+        mode: DoctorMode = "warn",
+        data_loader: Any = None,
     ) -> None:
         self.optimizer = dp_optimizer
         self.mode: DoctorMode = mode
@@ -107,10 +125,16 @@ class Doctor:
         self._prev_step_hook = dp_optimizer.step_hook  # the accountant; chained, never replaced (upstream.md §1.1)
         dp_optimizer.step_hook = self._step_hook
         self._snapshot: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None
+        self.dp_steps = 0  #: DP steps (noise added) seen since installation
+        self._rows: int | None = 0  # per-sample rows of the physical batches since the last DP step
+        self._batches: BatchObserver | None = None
+        self._fingerprint = ParameterFingerprint(self._optimizer_params())
         inner = dp_optimizer.original_optimizer
         old = getattr(inner, DOCTOR_ATTR, None)
         if old is not None:
             old.remove()
+        self._opacus_pre_step = dp_optimizer.pre_step
+        dp_optimizer.pre_step = self._count_rows  # an instance attribute: DPOptimizer.step calls self.pre_step()
         self._handles = [
             inner.register_step_pre_hook(self._pre_step),
             inner.register_step_post_hook(self._post_step),
@@ -122,12 +146,26 @@ class Doctor:
         except DoctorError:
             self.remove()
             raise
+        if data_loader is not None:
+            try:
+                self.watch_batches(data_loader)
+            except ValueError as err:  # documented fallback: the two batch checks are off, the others stay
+                warnings.warn(f"opacus_spectral doctor: batch checks off: {err}", DoctorWarning, stacklevel=3)
 
     # -- public -------------------------------------------------------------------------------------------
     @property
     def first_step_checked(self) -> bool:
         """Whether the first-DP-step checks (per-sample state, parameters moved) have run."""
         return not self._first_step_pending
+
+    def watch_batches(self, source: Any) -> None:
+        """Pair every DP step with a batch of ``source`` from now on: the DP data loader (its batch sampler), or a
+        batch sampler a training loop draws its logical batches from (e.g. one it built over the DP loader's
+        sampler). Replaces the previous one. ``ValueError`` if ``source`` has no batch sampler to observe."""
+        observer = BatchObserver(source)
+        if self._batches is not None and self._batches.sampler is not observer.sampler:
+            self._batches.detach()
+        self._batches = observer
 
     def remove(self) -> None:
         """Detach every hook; findings stay readable."""
@@ -136,6 +174,10 @@ class Doctor:
         self._handles = []
         self._snapshot = None
         self._removed = True
+        if self._batches is not None:
+            self._batches.detach()
+        if self.optimizer.__dict__.get("pre_step") == self._count_rows:
+            del self.optimizer.pre_step
         if self.optimizer.step_hook == self._step_hook:  # else a later hook chains onto ours: it passes through
             self.optimizer.step_hook = self._prev_step_hook
         inner = self.optimizer.original_optimizer
@@ -212,7 +254,9 @@ class Doctor:
         if uncovered:
             consequence = (
                 "ghost clipping leaves them out of the per-example norms, so their update is NOT clipped and the "
-                "privacy guarantee is void" if self._ghost else "Opacus computes no per-sample gradient for them"
+                "privacy guarantee is void"
+                if self._ghost
+                else "Opacus computes no per-sample gradient for them"
             )
             self._report(
                 "hook_coverage",
@@ -224,16 +268,81 @@ class Doctor:
             )
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
-            self._check_parameters()
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._check_parameters()
+        if not self._fingerprint.has_baseline:  # the first forward after a DP step (weights loaded before it count)
+            self._fingerprint.take()
+
+    def _count_rows(self, *args: Any, **kwargs: Any) -> Any:
+        """Opacus' ``pre_step``, after adding the physical batch's per-sample rows (a shape read)."""
+        if not self._removed:
+            rows = per_sample_rows(self.optimizer.params)
+            self._rows = None if rows is None or self._rows is None else self._rows + rows
+        return self._opacus_pre_step(*args, **kwargs)
 
     def _step_hook(self, opt: DPOptimizer) -> None:
         before = accounted_steps(self.accountant) if self.accountant is not None else 0
         if self._prev_step_hook is not None:
             self._prev_step_hook(opt)
-        if not self._removed:
-            self._noised = True
-            self._counted = accounted_steps(self.accountant) - before if self.accountant is not None else None
+        if self._removed:
+            return
+        self._noised = True
+        self._counted = accounted_steps(self.accountant) - before if self.accountant is not None else None
+        self.dp_steps += 1
+        rows, self._rows = self._rows, 0
+        findings = self._batches.on_dp_step(rows) if self._batches is not None else []
+        self._fingerprint.compare(self.dp_steps)
+        for check, message in findings:
+            self._report(check, message)
+        self._report_moved()
+
+    def _report_moved(self) -> None:
+        for step, moved in self._fingerprint.ready():
+            names = [self._name(self._fingerprint.params[i], f"optimizer param {i}") for i in moved]
+            self._report(
+                "param_change",
+                f"{len(names)} parameter(s) changed before DP step {step} without a noisy, accounted step (e.g. "
+                f"{_shown(names)}): something other than the DPOptimizer updated them after the forward pass — a "
+                "second optimizer or a manual edit stepping on the clean, un-noised gradient. That update is not "
+                "private and epsilon does not cover it. Fix: update the parameters only through the DPOptimizer "
+                "make_private returned; a data-independent edit (loading weights, a projection) belongs between "
+                "optimizer.step() and the next forward pass.",
+                names,
+            )
+
+    def _check_finite(self) -> None:
+        """NaN/Inf in the noisy gradient when no pipeline checks it (``post_hooks=None``): before the update."""
+        if getattr(self.optimizer.original_optimizer, HANDLE_ATTR, None) is not None:
+            return  # the pipeline applies on_nonfinite_grad itself
+        params = [p for p in self.optimizer.params if p.grad is not None]
+        if not params:
+            return
+        norms = tensor_norms([p.grad for p in params], 2.0)  # the fastest fused norm; NaN/Inf propagate
+        if bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()):  # one host sync
+            return
+        bad = [p for p, n in zip(params, norms, strict=True) if not bool(torch.isfinite(n))]
+        names = [self._name(p, "?") for p in bad if not bool(torch.isfinite(p.grad).all())]  # not an overflow
+        if not names:
+            return
+        raising = self.mode == "raise"
+        if raising:
+            for p in self.optimizer.params:  # nobody may step on it later
+                p.grad = None
+        self._report(
+            "nonfinite",
+            f"the noisy gradient of DP step {self.dp_steps} holds NaN/Inf in {len(names)} parameter(s) (e.g. "
+            f"{_shown(names)}): one record with a non-finite input or loss makes the whole clipped sum non-finite, "
+            + (
+                "and the step was aborted before the update (the weights are unchanged). "
+                if raising
+                else "and this update makes those weights NaN. "
+            )
+            + "Fix: clean the data, or let a pipeline handle it: make_private(post_hooks=[], "
+            "on_nonfinite_grad='skip_step'); in DPTrainer post_hooks=[] and "
+            "make_private_kwargs={'on_nonfinite_grad': 'skip_step'}.",
+            names,
+        )
 
     def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         noised, counted = self._noised, self._counted
@@ -256,6 +365,8 @@ class Doctor:
                 "chain to the previous step_hook if you set your own.",
             )
         dp_step = noised
+        if dp_step:
+            self._check_finite()
         if not (dp_step and self._first_step_pending):
             return
         params = [p for p in self.optimizer.params]
@@ -275,9 +386,7 @@ class Doctor:
                 "wrapped.",
                 no_state,
             )
-        self._snapshot = {
-            n: (p, p.detach().clone()) for n, p in self._model.named_parameters() if p.requires_grad
-        }
+        self._snapshot = {n: (p, p.detach().clone()) for n, p in self._model.named_parameters() if p.requires_grad}
 
     def _post_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         snapshot, self._snapshot = self._snapshot, None
@@ -306,10 +415,16 @@ class Doctor:
 
 
 def install_doctor(
-    dp_optimizer: DPOptimizer, module: Any, *, accountant: Any = None, mode: DoctorSetting = True
+    dp_optimizer: DPOptimizer,
+    module: Any,
+    *,
+    accountant: Any = None,
+    mode: DoctorSetting = True,
+    data_loader: Any = None,
 ) -> Doctor | None:
-    """Attach a :class:`Doctor` (``None`` when ``mode`` is off). Install it right after ``make_private``."""
+    """Attach a :class:`Doctor` (``None`` when ``mode`` is off). Install it right after ``make_private``, with the
+    data loader it returned."""
     resolved = resolve_mode(mode)
     if resolved is None:
         return None
-    return Doctor(dp_optimizer, module, accountant=accountant, mode=resolved)
+    return Doctor(dp_optimizer, module, accountant=accountant, mode=resolved, data_loader=data_loader)

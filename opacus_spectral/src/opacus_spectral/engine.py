@@ -5,26 +5,33 @@ Vocabulary: a *denoiser* is a callable over the step's noisy gradients; ``post_h
 runs them every logical step.
 
 A drop-in subclass: without ``post_hooks`` it trains exactly like ``opacus.PrivacyEngine`` (same optimizer
-classes, same noise, same accountant — bit-identical parameters for the same seeds); the only difference is
-the alternation-safe GradSampleModule (identical maths, see :mod:`.grad_sample`).
+classes, same noise, same accountant — bit-identical parameters for the same generators); the differences are
+the alternation-safe GradSampleModule (identical maths, see :mod:`.grad_sample`) and where randomness comes
+from: noise and Poisson sample are drawn from OS-entropy generators, never torch's global RNG
+(:mod:`.noise_source`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import opacus
+import torch
+from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.grad_sample.utils import get_gsm_class
 from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
 
-from .checkpoint import load_checkpoint_file
+from .checkpoint import load_checkpoint_file, optimizer_step_count, verify_accountant_history
 from .doctor import Doctor, DoctorSetting, install_doctor
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+from .noise_source import NoiseSource, parameter_device, warn_reproducible
 from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
 from .registry import DenoiserSpec, Registry
 
@@ -35,16 +42,50 @@ NON_PRIVATE = (
 )
 
 
+def _check_max_grad_norm(value: Any) -> None:
+    """``max_grad_norm`` (flat, or one per layer) must be finite and > 0: 0 clips every gradient to zero (nothing
+    trains while ε is spent), inf bounds no sensitivity (the noise protects nothing), a negative one is meaningless."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    ok = bool(values) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+    )
+    if not ok:
+        raise ValueError(
+            f"max_grad_norm must be a finite number > 0 (clipping='per_layer': a list of them), got {value!r}: 0 "
+            "clips every per-sample gradient to zero (nothing trains while epsilon is spent), inf bounds no "
+            "sensitivity (the noise then protects nothing). Pass the clipping bound C, e.g. 1.0"
+        )
+
+
 class PrivacyEngine(opacus.PrivacyEngine):
     """``opacus.PrivacyEngine`` whose ``make_private`` takes ``post_hooks=[...]``.
 
     After ``make_private`` the installed pipeline is ``engine.post_hooks`` (a :class:`PostHookHandle` with
     ``diagnostics``, ``logical_steps``, ``add_step_callback()``, ``state_dict()`` and ``remove()``), or ``None``
     when ``post_hooks`` was not given.
+
+    ``noise_seed=None`` (default): every ``make_private`` draws the noise and the Poisson sample from new
+    generators seeded from OS entropy. ``noise_seed=<int>``: from generators derived from that seed — reproducible,
+    and NOT private against whoever knows it (warns :class:`~opacus_spectral.ReproducibleNoiseWarning`).
+    ``secure_mode=True`` keeps Opacus' behaviour (torchcsprng).
     """
 
-    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, registry: Registry | None = None):
+    def __init__(
+        self,
+        *,
+        accountant: str = "prv",
+        secure_mode: bool = False,
+        registry: Registry | None = None,
+        noise_seed: int | None = None,
+    ):
+        if secure_mode and noise_seed is not None:
+            raise ValueError("noise_seed makes the noise reproducible, secure_mode makes it unpredictable: pick one")
         super().__init__(accountant=accountant, secure_mode=secure_mode)
+        self.noise_source = NoiseSource(noise_seed)
+        self._sample_rate: float | None = None  # what the accountant's hook records, set by make_private
+        self._generators: list[tuple[torch.Generator, str, int]] = []  # (generator, purpose, rank) made here
+        if noise_seed is not None:
+            warn_reproducible()
         self.registry = registry
         self.post_hooks: PostHookHandle | None = None
         self.doctor: Doctor | None = None  #: the checks installed by the last make_private (docs/engine.md)
@@ -130,12 +171,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``(module, optimizer, criterion, data_loader)``.
         """
         self._check_noise(kwargs.get("noise_multiplier"), allow_non_private)
+        _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
+        self._generators = []
+        if not self.secure_mode and kwargs.get("noise_generator") is None and kwargs.get("optimizer") is not None:
+            kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
+            self._generators.append((kwargs["noise_generator"], "noise", 0))
         out = super().make_private(*args, **kwargs)
+        self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
         if self.doctor is not None:
             self.doctor.remove()
         setting = self._doctor_setting if doctor is None else doctor
-        self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting)
+        self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting, data_loader=out[-1])
         if post_hooks is not None:
             # installed after super() returns: the accountant's step hook is attached last inside make_private
             # (docs/upstream.md §1.3)
@@ -164,6 +211,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` and ``doctor`` (kept out of Opacus'
         kwargs, which also reach ``get_noise_multiplier``)."""
+        _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         self._doctor_setting = doctor
         try:
@@ -182,6 +230,44 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 on_nonfinite_grad=on_nonfinite_grad,
             )
         return out
+
+    def sampler_generator(self, *, distributed: bool = False) -> torch.Generator | None:
+        """The generator for a Poisson sampler this engine builds: Opacus' ``secure_rng`` in ``secure_mode``,
+        otherwise a new one from :attr:`noise_source` (per DDP rank when ``distributed``)."""
+        if self.secure_mode:
+            return self.secure_rng
+        rank = torch.distributed.get_rank() if distributed and torch.distributed.is_initialized() else 0
+        generator = self.noise_source.sampler_generator(rank)
+        self._generators.append((generator, "sampler", rank))
+        return generator
+
+    # Opacus samples with the DataLoader's generator, else the global RNG: give it ours unless the caller chose one.
+    def _prepare_data_loader(
+        self,
+        data_loader: Any,
+        *,
+        poisson_sampling: bool,
+        distributed: bool,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+    ) -> Any:
+        if self.secure_mode or not poisson_sampling or data_loader.generator is not None:
+            return super()._prepare_data_loader(
+                data_loader,
+                poisson_sampling=poisson_sampling,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        # poisson_sampling=False outside secure_mode only records the dataset (Opacus' per-dataset warning)
+        super()._prepare_data_loader(data_loader, poisson_sampling=False, distributed=distributed)
+        return DPDataLoader.from_data_loader(
+            data_loader,
+            generator=self.sampler_generator(distributed=distributed),
+            distributed=distributed,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
 
     @staticmethod
     def _check_noise(noise_multiplier: Any, allow_non_private: bool) -> None:
@@ -223,16 +309,29 @@ class PrivacyEngine(opacus.PrivacyEngine):
         module_load_dict_kwargs: dict[str, Any] | None = None,
         torch_load_kwargs: dict[str, Any] | None = None,
         trusted: bool = False,
+        noise_multiplier: float | None = None,
+        sample_rate: float | None = None,
     ) -> dict[str, Any]:
-        """Opacus' ``load_checkpoint`` without executing code from the file.
+        """Opacus' ``load_checkpoint`` without executing code from the file, refusing DP state that disagrees.
 
         Opacus 1.6 always unpickles with ``torch.load(..., weights_only=False)`` (``docs/upstream.md`` §1.6): a
         crafted checkpoint runs arbitrary code. Here the file is read with ``weights_only=True`` (tensors, numbers,
         strings and containers — everything this engine saves), and anything else raises
         ``pickle.UnpicklingError``.
         ``trusted=True`` restores the unrestricted unpickler, for files you created yourself.
+
+        Before anything is loaded, the accountant's history must agree with the run
+        (:func:`~opacus_spectral.checkpoint.verify_accountant_history`): σ with ``optimizer.noise_multiplier`` (or
+        ``noise_multiplier=``; not checked with a ``noise_scheduler``), q with this engine's last ``make_private``
+        (or ``sample_rate=``), and its step count with the optimizer state's and the pipeline's step counters.
+        Otherwise ``ValueError`` naming the mismatch, and nothing is loaded.
         """
         checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))
+        steps = self._verify_dp_state(
+            checkpoint, optimizer, noise_scheduler, noise_multiplier, sample_rate, where=str(path)
+        )
+        for generator, purpose, rank in self._generators:  # the resumed steps never replay the first steps' noise
+            self.noise_source.reseed_for_resume(generator, purpose, steps, rank)
         module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
         self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
         optimizer_state = checkpoint.pop("optimizer_state_dict", {})
@@ -254,10 +353,44 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 target.load_state_dict(state)
         state = checkpoint.pop(CHECKPOINT_KEY, None)
         if state is not None:
-            if self.post_hooks is None:
-                raise ValueError(
-                    "the checkpoint holds post-hook (denoiser) state but this engine has no post_hooks; call "
-                    "make_private(..., post_hooks=[...]) with the same denoisers before load_checkpoint"
-                )
-            self.post_hooks.load_state_dict(state)
+            self.post_hooks.load_state_dict(state)  # type: ignore[union-attr]  # checked in _verify_dp_state
         return checkpoint
+
+    def _verify_dp_state(
+        self,
+        checkpoint: Any,
+        optimizer: Any,
+        noise_scheduler: Any,
+        noise_multiplier: Any,
+        sample_rate: Any,
+        *,
+        where: str,
+    ) -> int:
+        """The checks of :meth:`load_checkpoint`, before anything is loaded; returns the history's step count."""
+        if isinstance(checkpoint, dict) and checkpoint.get(CHECKPOINT_KEY) is not None and self.post_hooks is None:
+            raise ValueError(
+                "the checkpoint holds post-hook (denoiser) state but this engine has no post_hooks; call "
+                "make_private(..., post_hooks=[...]) with the same denoisers before load_checkpoint"
+            )
+        accountant = checkpoint.get("privacy_accountant_state_dict") if isinstance(checkpoint, dict) else None
+        if not isinstance(accountant, dict) or "history" not in accountant:
+            raise ValueError("load_checkpoint: the file holds no accountant state (privacy_accountant_state_dict)")
+        sigma = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
+        q = sample_rate if sample_rate is not None else self._sample_rate
+        if (sigma is None and noise_scheduler is None) or q is None:
+            raise ValueError(
+                "load_checkpoint cannot check the checkpoint's privacy accounting without the run's noise multiplier "
+                "and sample rate: call make_private first and pass its DPOptimizer as optimizer=, or pass "
+                "noise_multiplier= and sample_rate= (the values the run was trained with)"
+            )
+        pipeline = checkpoint.get(CHECKPOINT_KEY)
+        counters = [optimizer_step_count(checkpoint.get("optimizer_state_dict", {}))]
+        if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
+            counters.append(pipeline["step"])
+        return verify_accountant_history(
+            accountant["history"],
+            noise_multiplier=None if noise_scheduler is not None else sigma,
+            sample_rate=q,
+            min_steps=max(counters),
+            where=f"load_checkpoint({where})",
+        )

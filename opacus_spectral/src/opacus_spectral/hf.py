@@ -1,25 +1,34 @@
 """``DPTrainer``: differentially private fine-tuning with the Hugging Face ``Trainer`` (``pip install
 opacus-spectral[hf]``), user guide in ``docs/trainer.md``.
 
-What it changes in ``transformers.Trainer`` (5.x), and where:
+What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :mod:`.trainer_checks`):
 
 * ``get_train_dataloader``: Poisson sampling exactly as Opacus does it (``DPDataLoader.from_data_loader`` on a
-  loader of logical batches of ``per_device_train_batch_size × gradient_accumulation_steps`` examples), each
+  loader of logical batches of ``per_device_train_batch_size × gradient_accumulation_steps`` examples, drawn with
+  the engine's sampler generator: OS entropy, or ``noise_seed``; never the global RNG the Trainer seeds), each
   logical batch split into ``gradient_accumulation_steps`` physical batches (:class:`PhysicalBatches`), so the
   Trainer's accumulation loop sees exactly that many micro-batches per optimizer step;
 * ``create_optimizer``: the Trainer's optimizer goes through ``opacus_spectral.PrivacyEngine.make_private``
   (``wrap_model=False``: the model stays the user's ``PeftModel``), σ from Opacus' ``get_noise_multiplier`` for
   the run's ``max_steps`` and the same accountant; a resumed run's accountant and denoiser state are restored;
-* ``training_step``: the per-example loss of each micro-batch, then BatchMemoryManager's virtual step (clip and
-  accumulate, no noise) for all but the last micro-batch; the Trainer's own ``optimizer.step()`` on the last one
-  adds the noise once per logical batch;
-* ``log``: ε and δ join every log record (so ``report_to`` sends them); the training loss, gradient norm and token
-  count are computed on the private data without noise and are dropped unless ``release_nonprivate_stats=True``;
-* ``_save_checkpoint`` / ``_load_from_checkpoint``: the DP state travels in ``opacus_spectral_dp.pt``.
+* ``_wrap_model``: across processes (``torchrun``) the model goes into Opacus' ``DPDDP``, never torch DDP, the logical
+  batch spans the ranks and each rank samples its own share of the records (:mod:`.trainer_distributed`);
+* ``training_step``: the per-example loss of each micro-batch (:mod:`.trainer_loss`: causal LM, token or sequence
+  classification; per-sample gradients cast to float32 under bf16, :mod:`.trainer_precision`), then
+  BatchMemoryManager's virtual step (clip and accumulate, no noise) for all but the last micro-batch; the
+  Trainer's own ``optimizer.step()`` on the last one adds the noise once per logical batch;
+* ``prediction_step`` / ``evaluation_loop``: a causal LM's ``eval_loss`` is the per-token mean next-token
+  cross-entropy over the whole evaluation set, ``eval_perplexity`` its exponential;
+* ``log``: ε and δ join every log record (so ``report_to`` sends them); a training record keeps only the keys of
+  :mod:`.trainer_logs` (loss, FLOP and token counts, timing: dropped) unless ``release_nonprivate_stats=True``;
+  ``floating_point_ops`` counts nothing, so ``total_flos`` stays 0;
+* ``_save_checkpoint`` / ``_load_from_checkpoint``: the DP state travels in ``opacus_spectral_dp.pt``, checked on
+  resume against the Trainer's step counters and the loaded weights (:mod:`.trainer_state`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -27,51 +36,36 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
-from .checkpoint import load_checkpoint_file
 from .denoiser import denoiser_name
 from .doctor import DoctorSetting, accounted_steps
 from .engine import PrivacyEngine
 from .grad_sample import set_trainable
+from .noise_source import NoiseSource
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
 from .registry import DenoiserSpec
-
-DP_STATE_FILE = "opacus_spectral_dp.pt"
-#: log keys computed from the private data without noise
-NONPRIVATE_LOG_KEYS = ("loss", "train_loss", "grad_norm", "num_input_tokens_seen")
-_MODES = ("hooks", "functorch", "ghost")
-_COMPARED = ("mechanism", "noise_multiplier", "sample_rate", "max_grad_norm", "target_delta", "target_epsilon",
-             "grad_sample_mode", "denoisers")  # fmt: skip
-
-
-class _DPControl(TrainerCallback):
-    """Stops training at the privacy budget and checks that the accountant counted every optimizer step."""
-
-    def __init__(self, trainer: DPTrainer) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        t = self.trainer
-        counted = accounted_steps(t.privacy_engine.accountant)
-        if counted != state.global_step:
-            raise RuntimeError(
-                f"the accountant counted {counted} DP steps but the Trainer took {state.global_step} optimizer steps: "
-                "some update was not privatized as accounted (was the optimizer stepped outside DPTrainer?)"
-            )
-        if t.budget_steps is not None and counted >= t.budget_steps:
-            warnings.warn(
-                f"stopping at step {counted}: one more step would exceed target_epsilon={t.target_epsilon} "
-                f"(epsilon now {t.get_epsilon():.4g})", RuntimeWarning, stacklevel=2,
-            )  # fmt: skip
-            control.should_training_stop = True
+from .trainer_budget import DPControl, budget_steps
+from .trainer_checks import check_supported
+from .trainer_distributed import LockstepPoissonSampler, check_evaluation, is_distributed, rank_wrapper
+from .trainer_logs import drop_unlisted
+from .trainer_loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
+from .trainer_precision import check_trainable_dtypes, upcast_grad_samples
+from .trainer_state import (
+    DP_STATE_FILE,
+    check_parameters,
+    check_resume,
+    dp_state,
+    parameters_digest,
+    read_checkpoint,
+    resumed_noise_seed,
+)
 
 
 class DPTrainer(Trainer):
@@ -89,11 +83,18 @@ class DPTrainer(Trainer):
         grad_sample_mode: ``"hooks"`` (default), ``"functorch"`` or ``"ghost"``.
         accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"``; all assume the Poisson sampling used here.
         secure_mode: Opacus' cryptographically secure RNG (torchcsprng) for sampling and noise.
-        criterion: the per-example loss under ghost clipping (default ``nn.CrossEntropyLoss()`` on ``logits``).
+        noise_seed: ``None`` (default): noise and Poisson sample from OS-entropy generators, whatever
+            ``TrainingArguments.seed``. An int: reproducible runs that are NOT private against whoever knows the
+            seed (warns ``ReproducibleNoiseWarning``).
+        task: ``"causal_lm"``, ``"token_classification"``, ``"sequence_classification"`` or ``None`` (default:
+            from the PEFT ``task_type`` and the model class; token-level labels of a model neither places are
+            refused). Decides each example's loss (:mod:`.trainer_loss`).
+        criterion: sequence classification under ghost clipping: the per-example loss (default
+            ``nn.CrossEntropyLoss()`` on ``logits``).
         doctor: ``"raise"`` (default), ``"warn"`` or ``False`` — see :mod:`~opacus_spectral.doctor`.
         alternation: attach peft_lalora's alternation callback when the model carries a LALoRA adapter and none
             is attached yet.
-        release_nonprivate_stats: also log the training loss and token counts (not differentially private).
+        release_nonprivate_stats: also log the training loss, token and FLOP counts and timing (NOT private).
         make_private_kwargs: further ``make_private`` arguments (``on_denoiser_error``, ``on_nonfinite_grad``, ...).
     """
 
@@ -108,6 +109,8 @@ class DPTrainer(Trainer):
         grad_sample_mode: str = "hooks",
         accountant: str = "prv",
         secure_mode: bool = False,
+        noise_seed: int | None = None,
+        task: str | None = None,
         criterion: nn.Module | None = None,
         doctor: DoctorSetting = "raise",
         alternation: bool = True,
@@ -122,61 +125,26 @@ class DPTrainer(Trainer):
         self.criterion, self.doctor_setting, self.alternation = criterion, doctor, alternation
         self.release_nonprivate_stats = release_nonprivate_stats
         self.make_private_kwargs = dict(make_private_kwargs or {})
-        self._check_supported()
-        self.privacy_engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
+        self.task = resolve_task(self.model, task)
+        check_supported(self)
+        self.noise_seed = noise_seed
+        self.privacy_engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode, noise_seed=noise_seed)
         self.sample_rate: float | None = None
         self.budget_steps: int | None = None  #: DP steps (total) within target_epsilon; None: the whole run fits
         self.controller: Any = None  #: the AlternationController DPTrainer attached, if any
         self._logical_loader: DataLoader | None = None
         self._dp: DPOptimizer | None = None
+        self._ranks: nn.Module | None = None  #: Opacus' DPDDP around the model, across processes
         self._hooks: Any = None
         self._dp_criterion: Any = None
-        self._resume_state: dict[str, Any] | None = None
+        self._resume: Any = None  #: the ResumeEvidence of the checkpoint being resumed
+        self._evaluating = False
+        self._warned_keys: set[str] = set()
         self._clear_pending = False
         self._trained = False
         self._eps_cache: tuple[int, float] = (-1, 0.0)
-        self.add_callback(_DPControl(self))
-
-    # -- what cannot work ---------------------------------------------------------------------------------
-    def _check_supported(self) -> None:
-        a = self.args
-        if self.grad_sample_mode not in _MODES:
-            raise ValueError(f"grad_sample_mode must be one of {_MODES}, got {self.grad_sample_mode!r}")
-        if self.target_delta is None or not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta in (0, 1) is required (the δ of the guarantee), got {self.target_delta}")
-        if self.target_epsilon is None and self.noise_multiplier is None:
-            raise ValueError("give target_epsilon (σ is calibrated from it) or noise_multiplier")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        taken = set(self.make_private_kwargs) & {"module", "optimizer", "data_loader", "noise_multiplier", "wrap_model",
-                                                 "max_grad_norm", "poisson_sampling", "grad_sample_mode", "criterion",
-                                                 "post_hooks", "doctor"}  # fmt: skip
-        if taken:
-            raise ValueError(f"make_private_kwargs may not set {sorted(taken)}: DPTrainer sets them")
-        refusals = [
-            (a.fp16, "fp16 mixed precision: its GradScaler scales the loss (Opacus would clip scaled per-example "
-             "gradients) and skips steps with inf/NaN after the accountant counted them. Use bf16 or float32."),
-            (a.torch_compile or type(self.model).__name__ == "OptimizedModule",
-             "torch.compile: Opacus' per-sample hooks do not run inside a compiled graph. Train uncompiled."),
-            (a.n_gpu > 1, f"{a.n_gpu} GPUs in one process (nn.DataParallel): Opacus' hooks see only one replica. "
-             "Make one GPU visible (CUDA_VISIBLE_DEVICES)."),
-            (a.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled,
-             "multi-process training (DDP / DeepSpeed / FSDP) is not supported by DPTrainer yet; run on one device, "
-             "or use opacus_spectral.PrivacyEngine in your own DDP loop."),
-            (a.train_sampling_strategy != "random", f"train_sampling_strategy={a.train_sampling_strategy!r}: DP-SGD "
-             "needs Poisson sampling, which decides the batches itself. Leave it at 'random'."),
-            (a.dataloader_drop_last, "dataloader_drop_last: Poisson batches have no fixed size to drop."),
-            (a.auto_find_batch_size, "auto_find_batch_size: changing the batch size changes the sampling rate the "
-             "accountant assumed."),
-            (bool(getattr(a, "activation_checkpointing", False)), "activation checkpointing: the recomputed forward "
-             "pass fires Opacus' activation hooks twice. Train without it."),
-            (a.include_num_input_tokens_seen not in ("no", False) and not self.release_nonprivate_stats,
-             "include_num_input_tokens_seen: the token count of the sampled batches is not private; pass "
-             "release_nonprivate_stats=True to log it anyway."),
-        ]
-        for bad, why in refusals:
-            if bad:
-                raise ValueError(f"DPTrainer cannot train with {why}")
+        self._eval_sums: list[float] = [0.0, 0]  #: next-token loss sum and target count of the running evaluation
+        self.add_callback(DPControl(self))
 
     # -- data ---------------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -190,14 +158,20 @@ class DPTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="training")
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
             raise ValueError("DPTrainer needs a dataset with a length: Poisson sampling draws from all of it")
-        k = self.args.gradient_accumulation_steps
-        logical = DataLoader(dataset, batch_size=self._train_batch_size * k, collate_fn=collate)
-        poisson = DPDataLoader.from_data_loader(logical, generator=self.privacy_engine.secure_rng, distributed=False)
+        k, ranks = self.args.gradient_accumulation_steps, max(1, self.args.world_size)
+        logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate)
+        generator = self.privacy_engine.sampler_generator(distributed=ranks > 1)
+        poisson = DPDataLoader.from_data_loader(logical, generator=generator, distributed=ranks > 1)
         self._logical_loader, self.sample_rate = logical, poisson.sample_rate
+        self._poisson_sampler = poisson.batch_sampler  # what the doctor pairs DP steps with (create_optimizer)
+        if ranks > 1:  # this rank's shard at rate q, an empty batch included (.trainer_distributed)
+            self._poisson_sampler = LockstepPoissonSampler(total_size=len(dataset), sample_rate=self.sample_rate,
+                                                           generator=generator)  # fmt: skip
         return DataLoader(
             dataset,
-            batch_sampler=PhysicalBatches(poisson.batch_sampler, k),
+            batch_sampler=PhysicalBatches(self._poisson_sampler, k),
             collate_fn=EmptyAwareCollate(collate, dataset),
+            generator=generator,  # as Opacus' DPDataLoader: each epoch's iterator draws its base seed from it
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
@@ -213,6 +187,7 @@ class DPTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("pass a plain torch optimizer (optimizers=...): DPTrainer makes it private itself")
+        check_trainable_dtypes(optimizer)
         sigma = self.noise_multiplier
         if sigma is None:
             sigma = get_noise_multiplier(
@@ -220,22 +195,38 @@ class DPTrainer(Trainer):
                 steps=self.state.max_steps, accountant=self.privacy_engine.accountant.mechanism(),
             )  # fmt: skip
         extra: dict[str, Any] = {"criterion": self.criterion or nn.CrossEntropyLoss()} if self._ghost else {}
+        self.model.train()  # as training_step does; evaluate() or from_pretrained leave eval mode, Opacus refuses it
+        if is_distributed(self):  # Opacus' DPDDP: make_private builds the distributed optimizer
+            self._ranks = rank_wrapper(self.model)
+        module = self.model if self._ranks is None else self._ranks
         out = self.privacy_engine.make_private(
-            module=self.model, optimizer=optimizer, data_loader=self._logical_loader, noise_multiplier=sigma,
+            module=module, optimizer=optimizer, data_loader=self._logical_loader, noise_multiplier=sigma,
             max_grad_norm=self.max_grad_norm, poisson_sampling=True, grad_sample_mode=self.grad_sample_mode,
             wrap_model=False, post_hooks=self.post_hooks_spec, doctor=self.doctor_setting,
             **extra, **self.make_private_kwargs,
         )  # fmt: skip
         self._hooks, self._dp = out[0], out[1]
         self._dp_criterion = out[2] if self._ghost else None
+        if self.privacy_engine.doctor is not None:  # the steps draw from our Poisson loader, not make_private's
+            self.privacy_engine.doctor.watch_batches(self._poisson_sampler)
         if out[-1].sample_rate != self.sample_rate:  # the loader we train on and the accountant must agree
             raise RuntimeError(f"sample rates differ: loader {self.sample_rate}, accountant {out[-1].sample_rate}")
         self.noise_multiplier = self._dp.noise_multiplier
-        if self._resume_state is not None:
-            self._restore(self._resume_state)
-        self.budget_steps = self._budget_steps()
+        if self._resume is not None:
+            self._restore(self._resume)
+        self.budget_steps = budget_steps(
+            self.privacy_engine.accountant, max_steps=self.state.max_steps, target_epsilon=self.target_epsilon,
+            noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, delta=self.target_delta,
+        )  # fmt: skip
         self.optimizer = self._dp
         return self._dp
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Across processes: the model in Opacus' DPDDP (accelerate's autocast and placement, never torch DDP)."""
+        if not (training and self._ranks is not None):
+            return super()._wrap_model(model, training, dataloader)
+        self.accelerator.prepare_model(self.model, evaluation_mode=True)  # evaluation_mode: no DDP wrapper
+        return self._ranks
 
     @property
     def _ghost(self) -> bool:
@@ -251,32 +242,6 @@ class DPTrainer(Trainer):
         if self._eps_cache[0] != steps:
             self._eps_cache = (steps, float(self.privacy_engine.get_epsilon(self.target_delta)))
         return self._eps_cache[1]
-
-    def _epsilon_after(self, more: int) -> float:
-        acc = create_accountant(self.privacy_engine.accountant.mechanism())
-        acc.history = list(self.privacy_engine.accountant.history)
-        if more > 0:
-            acc.history.append((self.noise_multiplier, self.sample_rate, more))
-        return float(acc.get_epsilon(self.target_delta)) if acc.history else 0.0
-
-    def _budget_steps(self) -> int | None:
-        """The largest total number of DP steps within ``target_epsilon`` (None: all of max_steps fits)."""
-        if self.target_epsilon is None:
-            return None
-        done = accounted_steps(self.privacy_engine.accountant)
-        remaining = max(self.state.max_steps - done, 0)
-        if self._epsilon_after(remaining) <= self.target_epsilon:
-            return None
-        if self._epsilon_after(1) > self.target_epsilon:
-            raise ValueError(
-                f"the privacy budget is spent: one more step would exceed target_epsilon={self.target_epsilon} "
-                f"(epsilon now {self._epsilon_after(0):.4g})"
-            )
-        lo, hi = 1, remaining  # eps(lo) <= target < eps(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._epsilon_after(mid) <= self.target_epsilon else (lo, mid)
-        return done + lo
 
     # -- one micro-batch ----------------------------------------------------------------------------------
     def training_step(
@@ -300,6 +265,8 @@ class DPTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self._dp_loss(model, inputs)
         loss.backward()
+        if not self._ghost:  # clip in float32 under bf16 autocast (:mod:`.trainer_precision`)
+            upcast_grad_samples(dp.params)
         if not last:  # BatchMemoryManager's virtual step: clip and accumulate, no noise, no update
             dp.signal_skip_step(do_skip=True)
             dp.step()
@@ -307,24 +274,22 @@ class DPTrainer(Trainer):
         return loss.detach() / self.args.gradient_accumulation_steps  # the Trainer sums the micro-batches' losses
 
     def _dp_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
+        """The loss whose backward hands Opacus each example's own gradient (:mod:`.trainer_loss`)."""
         labels = inputs.get("labels")
-        if not self._ghost:
-            if labels is not None and labels.dim() > 1 and not labels.is_floating_point():
-                raise ValueError(
-                    "token-level labels: the model averages its loss over the tokens of the whole batch, so each "
-                    "example's gradient depends on the other examples' lengths and clipping no longer bounds one "
-                    "example's influence. Use grad_sample_mode='ghost' (per-example mean of token losses)."
-                )
-            return self.compute_loss(model, inputs)
+        task = self.task or task_of_batch(labels)
+        if task == "sequence_classification" and not self._ghost:
+            return self.compute_loss(model, inputs)  # the model's mean over the examples
         if labels is None:
-            raise ValueError("grad_sample_mode='ghost' needs 'labels' in the batch (the loss is computed per example)")
-        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-        logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
-        if logits.dim() == 2:
+            raise ValueError(f"task {task!r} needs 'labels' in the batch (the loss is computed per example); for a "
+                             "causal LM use DataCollatorForLanguageModeling(tokenizer, mlm=False)")  # fmt: skip
+        logits = _logits(model(**{k: v for k, v in inputs.items() if k != "labels"}))  # never labels= (trainer_loss)
+        if task == "sequence_classification":
+            if logits.dim() != 2:
+                raise ValueError(f"ghost clipping: logits {tuple(logits.shape)} with labels {tuple(labels.shape)} "
+                                 "are not sequence classification; pass DPTrainer(task=...)")  # fmt: skip
             return self._dp_criterion(logits, labels)
-        if logits.dim() == 3 and labels.dim() == 2:
-            return self._dp_criterion(logits.flatten(0, 1), labels.flatten(), shape=tuple(labels.shape))
-        raise ValueError(f"ghost clipping: cannot pair logits {tuple(logits.shape)} with labels {tuple(labels.shape)}")
+        losses = example_losses(task, logits, labels, inputs.get("attention_mask"))
+        return opacus_loss(losses, loss_reduction=self._dp.loss_reduction, ghost_criterion=self._dp_criterion)
 
     def _empty_contribution(self) -> None:
         """Zero-example per-sample state, so that Opacus adds the noise of an empty logical batch (as it does)."""
@@ -349,13 +314,64 @@ class DPTrainer(Trainer):
         return None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's log plus ``epsilon`` and ``delta``; non-private statistics dropped (see the class)."""
-        if not self.release_nonprivate_stats:
-            for key in NONPRIVATE_LOG_KEYS:
-                logs.pop(key, None)
+        """The Trainer's log plus ``epsilon`` and ``delta``; a training record keeps only public keys
+        (:mod:`.trainer_logs`) unless ``release_nonprivate_stats``; evaluation records are kept whole."""
+        if not self.release_nonprivate_stats and not self._evaluating:
+            unknown = [k for k in drop_unlisted(logs) if k not in self._warned_keys]
+            if unknown:
+                self._warned_keys.update(unknown)
+                warnings.warn(
+                    f"DPTrainer did not log {sorted(unknown)}: a training log record carries only keys known to be "
+                    "public or noised (opacus_spectral.trainer_logs.PUBLIC_LOG_KEYS). Log a value you have "
+                    "privatized yourself outside trainer.log, or pass release_nonprivate_stats=True (NOT private).",
+                    RuntimeWarning, stacklevel=2,
+                )  # fmt: skip
         if self._dp is not None:
             logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.target_delta)
         super().log(logs, start_time)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate``; its log record (on the evaluation set you chose) is not filtered."""
+        self._evaluating = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evaluating = False
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """Causal LM: the batch's mean next-token loss (its sum and count kept for :meth:`evaluation_loop`), logits
+        and labels; other tasks: the Trainer's."""
+        if self.task != "causal_lm" or inputs.get("labels") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs["labels"]
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = _logits(model(**{k: v for k, v in inputs.items() if k != "labels"}))
+            total, count = next_token_loss_sum(logits, labels, inputs.get("attention_mask"))
+        self._eval_sums[0] += float(total)
+        self._eval_sums[1] += count
+        loss = (total / max(count, 1)).float()
+        return (loss, None, None) if prediction_loss_only else (loss, logits.detach(), labels)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop; for a causal LM ``<prefix>_loss`` is then the per-token mean over the whole set (the
+        Trainer's averages batch means) and ``<prefix>_perplexity`` its exponential."""
+        check_evaluation(self)
+        self._eval_sums = [0.0, 0]
+        out = super().evaluation_loop(*args, **kwargs)
+        total, count = self._eval_sums
+        if self.task == "causal_lm" and count > 0:
+            prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+            out.metrics[f"{prefix}_loss"] = total / count
+            out.metrics[f"{prefix}_perplexity"] = math.exp(min(total / count, 700.0))
+        return out
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0 unless ``release_nonprivate_stats``: the Trainer's count (``total_flos``) is proportional to the
+        number of tokens of the Poisson-sampled records."""
+        return super().floating_point_ops(inputs) if self.release_nonprivate_stats else 0
 
     # -- the run ------------------------------------------------------------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -405,40 +421,27 @@ class DPTrainer(Trainer):
         if self._dp is not None and self.args.should_save:
             out = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(out, exist_ok=True)
-            handle = self.privacy_engine.post_hooks
-            state = {
-                "format": 1,
-                "config": self._dp_config(),
-                "accountant": dict(self.privacy_engine.accountant.state_dict()),
-                "post_hooks": None if handle is None else handle.state_dict(),
-                "global_step": int(self.state.global_step),
-            }
+            state = dp_state(self._dp_config(), self.privacy_engine.accountant, self.privacy_engine.post_hooks,
+                             self.state.global_step, parameters_digest(self.model, self._dp.original_optimizer))
             torch.save(state, os.path.join(out, DP_STATE_FILE))
         super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        path = os.path.join(resume_from_checkpoint, DP_STATE_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{resume_from_checkpoint} holds no DP state ({DP_STATE_FILE}): it was not written by DPTrainer, so "
-                "the privacy cost of the steps behind it is unknown. Start from the base model instead."
-            )
-        self._resume_state = load_checkpoint_file(path)
+        self._resume = read_checkpoint(resume_from_checkpoint)
+        if self.noise_seed is not None:  # new streams for the resumed steps, not a replay of the first steps' noise
+            step = int(self._resume.dp["global_step"])
+            self.privacy_engine.noise_source = NoiseSource(resumed_noise_seed(self.noise_seed, step))
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Restore the accountant and denoiser state of a checkpoint, refusing one of another DP set-up."""
-        saved, now = state["config"], self._dp_config()
-        differ = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in _COMPARED if saved.get(k) != now[k]]
-        if differ:
-            raise ValueError(
-                "cannot resume: the checkpoint was trained with another DP set-up (" + "; ".join(differ) + "). Resume "
-                "with the same DPTrainer arguments, TrainingArguments and dataset."
-            )
-        if int(state["global_step"]) != self.state.global_step:
-            raise ValueError(f"DP state of step {state['global_step']}, Trainer state of step {self.state.global_step}")
-        self.privacy_engine.accountant.load_state_dict(state["accountant"])
-        if accounted_steps(self.privacy_engine.accountant) != self.state.global_step:
-            raise ValueError("the checkpoint's accountant does not count one DP step per optimizer step")
-        if state["post_hooks"] is not None:
-            self.privacy_engine.post_hooks.load_state_dict(state["post_hooks"])
+    def _restore(self, evidence: Any) -> None:
+        """Restore the accountant and denoiser state of a checkpoint, refusing one of another DP set-up or one
+        that disagrees with the Trainer's step counters or the loaded weights (:mod:`.trainer_state`)."""
+        check_resume(evidence, self._dp_config(), global_step=self.state.global_step)
+        check_parameters(evidence, parameters_digest(self.model, self._dp.original_optimizer))
+        self.privacy_engine.accountant.load_state_dict(evidence.dp["accountant"])
+        if evidence.dp["post_hooks"] is not None:
+            self.privacy_engine.post_hooks.load_state_dict(evidence.dp["post_hooks"])
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]

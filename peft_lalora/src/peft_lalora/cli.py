@@ -92,6 +92,11 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
         from .federated.client import REPRODUCIBLE_NOISE_NOTE
 
         print(f"peft-lalora federate: warning: --reproducible-noise: {REPRODUCIBLE_NOISE_NOTE}", file=sys.stderr)
+    for flag, on in (("--release-nonprivate-stats", cfg.release_nonprivate_stats),
+                     ("--publish-label-counts", cfg.publish_label_counts)):  # fmt: skip
+        if on:
+            print(f"peft-lalora federate: warning: {flag}: the result holds noise-free statistics of the clients' "
+                  "data (NOT differentially private)", file=sys.stderr)  # fmt: skip
     if args.runner == "flower":
         from .federated.launcher import run_flower
 
@@ -119,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"peft-lalora federate: error: {err}", file=sys.stderr)
             return 2
         acc = out["accuracy"]
+        if out.get("evaluation", "").startswith("none"):
+            print(f"peft-lalora federate: warning: evaluation {out['evaluation']}", file=sys.stderr)
         print(
             f"{out['config']['algo']}/{out['config']['filter']}: accuracy {acc[0]:.4f} -> {acc[-1]:.4f} "
             f"after {len(acc) - 1} round(s); max ε = {out['max_epsilon']:.4f} at δ = {out['config']['delta']:g}; "

@@ -23,7 +23,7 @@ Protocol (docs/results.md §7, written before the runs):
   exactly ε at δ = 1e-5 (the RDP accountant's ε for the same run is recorded beside it). Non-private (no
   clipping, no noise) and clipping-only references.
 * Every method of a seed shares the initialization, the Poisson batches and the noise draws (common random
-  numbers: :func:`dp_bench.train.run_dp` reseeds before ``make_private``).
+  numbers: :func:`dp_bench.train.run_dp` passes the engine an explicit ``noise_seed`` derived from the seed).
 * Learning rates: per (method, optimizer, B) the value of ``--lr-grid`` with the best final *validation*
   accuracy at ``--tune-epsilon`` on the tuning seed (not one of the evaluation seeds); never the test set. A
   best value at an end of what was tried extends the grid outward by a factor 2 (at most three times).

@@ -8,6 +8,7 @@ nm = 1.3, C = 0.7, B = 16). DDP is measured by ``tests/test_ddp.py``. Prints a m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, noise_std
+from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, ReproducibleNoiseWarning, noise_std
 
 from ..config import opt, parse_config
 
@@ -56,13 +57,17 @@ def pooled_std(records: Sequence[NoisyGradient]) -> float:
 
 
 def one_step(*, clipping: str = "flat", loss_reduction: str = "mean", mode: str = "hooks", accumulate: int = 1,
-             **mp_kwargs: Any) -> tuple[Capture, Any, float]:  # fmt: skip
-    """One DP step with a zero clipped sum: ``(capture, dp_optimizer, noise_std before the step)``."""
+             noise_seed: int | None = None, **mp_kwargs: Any) -> tuple[Capture, Any, float]:  # fmt: skip
+    """One DP step with a zero clipped sum: ``(capture, dp_optimizer, noise_std before the step)``. ``noise_seed``:
+    the engine's reproducible noise (the same draws for every case), else OS-entropy noise."""
     model = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128))
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(N, 16, generator=g), torch.randn(N, 128, generator=g))
     cap = Capture()
-    out = PrivacyEngine(accountant="rdp").make_private(
+    with warnings.catch_warnings():  # a measurement of the noise itself: reproducible on purpose
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        engine = PrivacyEngine(accountant="rdp", noise_seed=noise_seed)
+    out = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(data, batch_size=B), noise_multiplier=NM,
         max_grad_norm=mp_kwargs.pop("max_grad_norm", C), clipping=clipping, loss_reduction=loss_reduction,
@@ -90,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, tuple[float, float]]:
     out = {}
     for name, kw in CASES.items():
         torch.manual_seed(cfg.seed)
-        cap, _, _ = one_step(**dict(kw))
+        cap, _, _ = one_step(noise_seed=cfg.seed, **dict(kw))
         sigma, measured = cap.steps[0][0].sigma, pooled_std(cap.steps[0])
         out[name] = (sigma, measured)
         print(f"| {name} | {sigma:.6g} | {measured:.6g} | {measured / sigma:.4f} |")

@@ -206,11 +206,35 @@ class GradientCanaries:
         confidence: float = 0.95,
         guesses: list[tuple[int, int]] | None = None,
         score: str = "sum",
+        bound: str = "snj",
     ) -> AuditResult:
-        """The one-run lower bound on ε from this run (:func:`~opacus_spectral.audit.audit_scores`)."""
+        """The one-run lower bound on ε from this run (:func:`~opacus_spectral.audit.audit_scores`).
+
+        ``bound="fdp"`` tests the μ-GDP claim of :meth:`claimed_mu` (tighter for Gaussian noise, ``docs/audit.md``)
+        and needs ``sample_rate = 1`` and ``delta > 0``; ``"snj"`` (default) tests the (ε, δ) claim.
+        """
         if self.steps == 0:
             raise RuntimeError("no DP step was observed since the canaries were attached")
-        return audit_scores(self.scores(score), self.included, delta=delta, confidence=confidence, guesses=guesses)
+        if bound == "fdp" and self.sample_rate < 1.0:
+            raise ValueError(
+                "bound='fdp' tests a μ-GDP claim, which only canaries present in every step have (sample_rate=1); "
+                f"these are subsampled at rate {self.sample_rate:g}: use bound='snj'"
+            )
+        return audit_scores(
+            self.scores(score), self.included, delta=delta, confidence=confidence, guesses=guesses, bound=bound
+        )
+
+    def claimed_mu(self) -> float:
+        """μ of the μ-GDP claim for one canary present in every observed step: ``sqrt(Σ_t σ_t⁻²)`` with the σ_t
+        the optimizer reported (``docs/math.md`` §5.4); ``inf`` after a step without noise."""
+        if self.sample_rate < 1.0:
+            raise ValueError(
+                f"canaries subsampled at rate {self.sample_rate:g} are not μ-GDP for any simple μ: their claim is "
+                "claimed_epsilon(delta) (Opacus' accountant)"
+            )
+        if any(s <= 0 for s in self.noise_multipliers):
+            return math.inf
+        return math.sqrt(sum(s**-2 for s in self.noise_multipliers))
 
     def claimed_epsilon(self, delta: float, *, accountant: str = "prv") -> float:
         """The ε a correct engine claims for one canary over the observed steps (``docs/math.md`` §5.4):

@@ -29,6 +29,7 @@ _LAZY = {
     "Task": "task",
     "build_task": "task",
     "FederationServer": "server",
+    "FederationPlan": "plan",
     "RoundRecord": "server",
     "adapter_state": "client",
     "load_adapter_state": "client",

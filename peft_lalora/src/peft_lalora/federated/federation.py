@@ -43,6 +43,7 @@ __all__ = [
     "build_evaluator",
     "build_partition",
     "build_task",
+    "make_client",
     "make_peft_config",
     "make_peft_model",
     "noise_record",
@@ -101,6 +102,10 @@ class FederationConfig:
     partition: str = _opt("dirichlet", "client split", choices=PARTITIONS)
     alpha: float = _opt(0.1, "Dirichlet label-skew concentration (partition=dirichlet)")
     min_partition_size: int = _opt(4, "Dirichlet: minimum examples per client")
+    partition_sizes: str = _opt("", "the operator's plan: examples per partition, comma-separated (the Flower server "
+                                "uses it and never reads data; empty: computed from the shared source)")  # fmt: skip
+    partition_nodes: str = _opt("", "the operator's plan: SuperNode ids in partition order, comma-separated (empty: "
+                                "the i-th smallest connected node id trains partition i)")  # fmt: skip
     rounds: int = _opt(3, "federated rounds")
     local_steps: int = _opt(5, "DP-SGD steps per client and round")
     fraction: float = _opt(1.0, "fraction of clients sampled per round")
@@ -128,6 +133,12 @@ class FederationConfig:
     lora_alpha: int = _opt(8, "LoRA alpha")
     target_modules: str = _opt("query,value", "comma-separated LoRA target modules")
     seed: int = _opt(0, "seed of splits, partition, sampling and adapter init")
+    release_nonprivate_stats: bool = _opt(
+        False, "NOT private: clients also send their noise-free mean training loss, and the result records it"
+    )
+    publish_label_counts: bool = _opt(
+        False, "NOT private: the result lists every client's label counts (and groups) from the shared source"
+    )
     reproducible_noise: bool = _opt(
         False,
         "seed DP noise and Poisson sampling from (seed, client, round): experiments only, NOT private against "
@@ -168,6 +179,22 @@ class FederationConfig:
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         self.task_option_dict()  # valid JSON object
+        self.planned_sizes()  # valid plan
+        self.planned_nodes()
+
+    def planned_nodes(self) -> list[int] | None:
+        """``partition_nodes`` parsed (``None`` when empty): ``num_clients`` distinct SuperNode ids."""
+        nodes = _int_list(self.partition_nodes, "partition_nodes", self.num_clients)
+        if nodes is not None and len(set(nodes)) != len(nodes):
+            raise ValueError(f"partition_nodes must be distinct node ids, got {self.partition_nodes!r}")
+        return nodes
+
+    def planned_sizes(self) -> list[int] | None:
+        """``partition_sizes`` parsed (``None`` when empty): one integer >= 1 per client."""
+        sizes = _int_list(self.partition_sizes, "partition_sizes", self.num_clients)
+        if sizes is not None and min(sizes) < 1:
+            raise ValueError(f"partition_sizes must be >= 1, got {self.partition_sizes!r}")
+        return sizes
 
     @property
     def alternation(self) -> str:
@@ -247,6 +274,19 @@ class FederationConfig:
         )
 
 
+def _int_list(value: str, name: str, n: int) -> list[int] | None:
+    """A comma-separated list of ``n`` integers (``None`` when ``value`` is empty)."""
+    if not value.strip():
+        return None
+    try:
+        out = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {value!r}") from None
+    if len(out) != n:
+        raise ValueError(f"{name} needs {n} integers (one per client), got {value!r}")
+    return out
+
+
 #: default value of every FederationConfig field
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(FederationConfig)}
 
@@ -294,9 +334,13 @@ def build_partition(cfg: FederationConfig, task: Task) -> Any:
 
 def build_client(cfg: FederationConfig, task: Task, partition: Any, client_id: int) -> Any:
     """The :class:`~peft_lalora.federated.client.DPClient` for partition ``client_id``."""
+    return make_client(cfg, task, task.tensors("train", partition.indices[client_id]), client_id)
+
+
+def make_client(cfg: FederationConfig, task: Task, data: Any, client_id: int) -> Any:
+    """The :class:`~peft_lalora.federated.client.DPClient` ``client_id`` training on ``data`` (its own rows)."""
     from .client import DPClient, NamedInputsLoss
 
-    data = task.tensors("train", partition.indices[client_id])
     return DPClient(
         client_id,
         make_peft_model(cfg, task),

@@ -2,26 +2,36 @@
 
 Same client, sampling and aggregation code as the in-process runner (:mod:`.simulation`); the run is
 described by a :class:`~peft_lalora.federated.federation.FederationConfig` passed as Flower
-``run_config``, and each SuperNode's ``node_config`` carries ``partition-id``.
+``run_config``, which carries the operator's plan (``partition-sizes``, :mod:`.plan`).
+
+What the server holds: the plan, the base model and, for evaluation, only the operator's own evaluation data
+(``test_data`` or a factory's separate test set) — it builds the task with ``server=True`` and never loads a
+training row. Each node loads only its own data: the file in its ``node_config["data"]`` (a real deployment,
+all of it) or its partition of the shared source in the run config (the local runner); a node whose data does
+not have the planned size refuses. A reply carries the noisy adapter and the allowlisted accounting numbers
+only (:mod:`.replies`); the noise-free training loss only with ``release-nonprivate-stats = true``.
 
 Protocol:
 
 1. **assignment** — the server assigns partitions to the connected node ids (:func:`assign_partitions`:
-   sorted node ids get partitions 0..N-1) and never asks a node which partition it is: a node cannot claim
-   another node's partition (or its weight, or its place in the privacy ledger);
+   the plan's ``partition-nodes``, else sorted node ids get partitions 0..N-1) and never asks a node which
+   partition it is: a node cannot claim another node's partition (or its weight, or its place in the privacy
+   ledger);
 2. **rounds** — :meth:`Strategy.start`: ``train`` messages carry the global adapter (``ArrayRecord``), the
    round and the *assigned* ``partition-id``; a node trains on that partition (a node whose own
    ``node_config`` names a different partition refuses, an error reply). Replies are attributed by the
    sending node id (which Flower's transport, with SuperNode authentication, vouches for), never by what
    they say: a reply from a node that was not sent this round's message, a second reply from a node, or one
-   whose self-reported ``partition-id``/``num-examples`` disagrees with the assignment is rejected with
-   its reason. FedAvg weights are the partition sizes the server computed. Privacy: the server charges
-   each sampled partition's (σ, q, local steps) to its ledger when it sends the message, and adds the
-   accountant history the reply carries (``dp-sigma`` / ``dp-q`` / ``dp-steps``); the reported ε is the
+   whose self-reported ``partition-id`` disagrees with the assignment is rejected with its reason. FedAvg
+   weights are the plan's partition sizes. Privacy: the server charges each sampled partition's (σ, q,
+   local steps) to its ledger when it sends the message, and adds the accountant history the reply carries
+   (``dp-sigma`` / ``dp-q`` / ``dp-steps``), bounded first (no more steps than charged, σ > 0, finite; else
+   the reply is refused with its reason); the reported ε is the
    larger of the two (:mod:`.ledger`). ``aggregate_train`` runs :func:`aggregate_updates` (validation,
-   update-norm bound, FedAvg of A, B and head); centralized evaluation on the server's test set after every
-   round. A round in which every reply failed, was malformed or was rejected keeps the previous global
-   adapter and records why (``error`` and ``rejected`` in its result record); the run goes on.
+   update-norm bound, FedAvg of A, B and head); centralized evaluation on the operator's evaluation data
+   (when there is any) after every round. A round in which every reply failed, was malformed or was
+   rejected keeps the previous global adapter and records why (``error`` and ``rejected`` in its result
+   record); the run goes on.
 
 The deployment engine starts a fresh ClientApp process per message, so a client is rebuilt every
 round; its accountant history and the last round it ran are kept in ``context.state`` (they never leave
@@ -44,6 +54,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
+
+from .replies import history_of, number, reply_metrics
 
 # The Flower app is loaded by module path (``peft_lalora.federated.flower_app:server_app`` /
 # ``:client_app``) from the installed package; torch and the federated building blocks are imported inside
@@ -88,31 +100,9 @@ client_app = ClientApp()
 _CLIENTS: dict[tuple[int, int], Any] = {}
 
 
-def _number(record: Any, key: str) -> float:
-    """``record[key]`` as a number; ``TypeError`` naming the key otherwise (replies are remote input)."""
-    v = record[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{key!r}: expected a number, got {type(v).__name__}")
-    return v
-
-
-def _numbers(record: Any, key: str) -> list[float]:
-    """``record[key]`` as a list of numbers (``TypeError`` otherwise)."""
-    v = record[key]
-    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-        raise TypeError(f"{key!r}: expected a list of numbers, got {v!r}")
-    return [float(x) for x in v]
-
-
-def _history(record: Any) -> list[tuple[float, float, int]]:
-    """The accountant history ``[(σ, q, steps)]`` stored as three parallel lists in ``record``."""
-    sigma, q, steps = _numbers(record, "dp-sigma"), _numbers(record, "dp-q"), _numbers(record, "dp-steps")
-    return [(s, r, int(n)) for s, r, n in zip(sigma, q, steps, strict=True)]
-
-
 def _assigned_partition(msg: Message, context: Context) -> int:
     """The partition the server assigned in ``msg``; a node configured for another partition refuses."""
-    pid = int(_number(msg.content.config_records["config"], "partition-id"))
+    pid = int(number(msg.content.config_records["config"], "partition-id"))
     own = context.node_config.get("partition-id")
     if own is not None and int(own) != pid:
         raise ValueError(
@@ -122,28 +112,46 @@ def _assigned_partition(msg: Message, context: Context) -> int:
     return pid
 
 
+def _local_data(cfg: FederationConfig, context: Context, pid: int) -> tuple[Any, Any]:
+    """``(task, this node's training rows)``: with ``data`` in the node's ``node_config`` (a real deployment), all
+    of that file; otherwise partition ``pid`` of the shared source named in the run config (the local runner).
+    Either way they must have the plan's size."""
+    import dataclasses
+
+    from .federation import build_partition, build_task
+    from .plan import check_local_size
+
+    own = str(context.node_config.get("data", "") or "")
+    if own:  # the node's own file is its partition (test_data set: nothing is carved from it)
+        task = build_task(dataclasses.replace(cfg, data=own, test_data=cfg.test_data or own))
+        rows = task.tensors("train")
+    else:
+        task = build_task(cfg)
+        rows = task.tensors("train", build_partition(cfg, task).indices[pid])
+    check_local_size(cfg, pid, len(rows))
+    return task, rows
+
+
 def _client_for(cfg: FederationConfig, context: Context, pid: int) -> Any:
-    from .federation import build_client, build_partition, build_task
+    from .federation import make_client
 
     key = (int(context.run_id), pid)
     client = _CLIENTS.get(key)
     if client is None:
-        task = build_task(cfg)
-        partition = build_partition(cfg, task)
-        client = build_client(cfg, task, partition, pid)
+        client = make_client(cfg, *_local_data(cfg, context, pid), pid)
         saved = context.state.config_records.get(_STATE_KEY)
         if saved is not None:
-            if int(_number(saved, "partition-id")) != pid:
+            if int(number(saved, "partition-id")) != pid:
                 raise ValueError(
-                    f"this node trained partition {int(_number(saved, 'partition-id'))} earlier in the run and is now "
+                    f"this node trained partition {int(number(saved, 'partition-id'))} earlier in the run and is now "
                     f"assigned partition {pid}; a node keeps its partition for the whole run"
                 )
             client.load_state_dict(
                 {
-                    "history": _history(saved),
-                    "rounds_run": int(_number(saved, "rounds-run")),
-                    "total_steps": int(_number(saved, "total-steps")),
-                    "last_round": int(_number(saved, "last-round")),
+                    "history": history_of(saved),
+                    "rounds_run": int(number(saved, "rounds-run")),
+                    "total_steps": int(number(saved, "total-steps")),
+                    "last_round": int(number(saved, "last-round")),
                 }
             )
         _CLIENTS[key] = client
@@ -158,7 +166,7 @@ def _train(msg: Message, context: Context) -> Message:
     pid = _assigned_partition(msg, context)
     client = _client_for(cfg, context, pid)
     global_state = msg.content.array_records["arrays"].to_torch_state_dict()
-    round_index = int(_number(msg.content.config_records["config"], "server-round"))
+    round_index = int(number(msg.content.config_records["config"], "server-round"))
     update = client.fit(global_state, round_index)
     hist = client.history
     context.state[_STATE_KEY] = ConfigRecord(
@@ -172,17 +180,7 @@ def _train(msg: Message, context: Context) -> Message:
             "last-round": client.last_round,
         }
     )
-    metrics = MetricRecord(
-        {
-            "num-examples": update.num_examples,
-            "partition-id": update.client,
-            "train-loss": update.loss,
-            "epsilon": update.epsilon,
-            "dp-sigma": [h[0] for h in hist],
-            "dp-q": [h[1] for h in hist],
-            "dp-steps": [h[2] for h in hist],
-        }
-    )
+    metrics = MetricRecord(reply_metrics(update, cfg))  # the allowlist (.replies): nothing noise-free by default
     return Message(RecordDict({"arrays": ArrayRecord(update.state), "metrics": metrics}), reply_to=msg)
 
 
@@ -246,18 +244,14 @@ class LALoraStrategy(FedAvg):
         """Check one reply against the assignment and hand it to the server (``ValueError``/... if malformed)."""
         m = next(iter(msg.content.metric_records.values()))
         a = next(iter(msg.content.array_records.values()))
-        history = _history(m)
-        claimed = int(_number(m, "partition-id"))
-        n = int(_number(m, "num-examples"))
-        problem = None
+        history = history_of(m)
+        claimed = int(number(m, "partition-id"))
         if claimed != pid:
             problem = f"claims partition {claimed} but was assigned partition {pid}"
-        elif n != self.server.sizes[pid]:
-            problem = f"claims {n} examples but partition {pid} has {self.server.sizes[pid]}"
-        if problem is not None:
             self.server.reject(pid, f"node {msg.metadata.src_node_id}: rejected reply ({problem})", history=history)
             return
-        self.server.receive(pid, state=a.to_torch_state_dict(), history=history, loss=float(_number(m, "train-loss")))
+        loss = float(number(m, "train-loss")) if self.server.cfg.release_nonprivate_stats else None
+        self.server.receive(pid, state=a.to_torch_state_dict(), history=history, loss=loss)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -278,7 +272,7 @@ class LALoraStrategy(FedAvg):
                 continue
             try:  # replies are remote input: any malformed field rejects that reply only
                 self._admit(pid, msg)
-            except (StopIteration, KeyError, TypeError, ValueError) as err:
+            except (StopIteration, KeyError, TypeError, ValueError, OverflowError) as err:
                 self.server.reject(pid, f"node {src}: rejected reply ({type(err).__name__}: {err})")
         rec = self.server.finish_round()
         for r in rec.rejected:
@@ -295,9 +289,15 @@ class LALoraStrategy(FedAvg):
         return ArrayRecord(self.server.global_state), metrics
 
 
-def assign_partitions(nodes: Iterable[int], num_clients: int) -> dict[int, int]:
-    """``{partition_id: node_id}``: the i-th smallest node id trains partition i. Exactly ``num_clients`` nodes
-    must be connected: an extra node is refused rather than silently left out or given a partition."""
+def assign_partitions(nodes: Iterable[int], num_clients: int, planned: list[int] | None = None) -> dict[int, int]:
+    """``{partition_id: node_id}``: the plan's node ids in partition order (``partition_nodes``; each must be
+    connected, others get nothing), else the i-th smallest node id trains partition i — then exactly
+    ``num_clients`` nodes must be connected: an extra node is refused rather than silently left out."""
+    if planned is not None:
+        missing = sorted(set(planned) - set(nodes))
+        if missing:
+            raise ValueError(f"the plan's SuperNodes {missing} are not connected (partition_nodes)")
+        return dict(enumerate(planned))
     ordered = sorted(set(nodes))
     if len(ordered) != num_clients:
         raise ValueError(f"{len(ordered)} SuperNodes are connected but the run has {num_clients} partitions")
@@ -323,7 +323,8 @@ def _server_main(grid: Grid, context: Context) -> None:
     to ``result-path`` / ``state-path`` when given."""
     import torch
 
-    from .federation import noise_record
+    from .federation import build_task, noise_record
+    from .plan import FederationPlan
     from .server import FederationServer
 
     t0 = time.perf_counter()
@@ -332,9 +333,10 @@ def _server_main(grid: Grid, context: Context) -> None:
     if cfg.reproducible_noise:
         _log(WARNING, "reproducible-noise is on: %s", noise_record(cfg)["note"])
     nodes = wait_for_nodes(grid, cfg.num_clients)
-    node_of = assign_partitions(nodes, cfg.num_clients)
+    node_of = assign_partitions(nodes, cfg.num_clients, cfg.planned_nodes())
     _log(INFO, "partition assignment {partition: node}: %s", node_of)
-    server, _, _ = FederationServer.build(cfg)
+    # the operator's plan and the model only: the server never loads a training row (.plan)
+    server = FederationServer.from_plan(cfg, build_task(cfg, server=True), FederationPlan.from_config(cfg))
     strategy = LALoraStrategy(server, node_of)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:

@@ -411,17 +411,18 @@ def run_flower(
     (the value of ``LALORA_FEDERATION_ID`` its processes carried), ``"leftover_pids"`` (checked after
     teardown) and ``"transport"`` (``{"tls": bool, "supernode_auth": bool}``).
 
-    TLS and SuperNode authentication are on by default (certificates and keys generated into
-    ``workdir/credentials``, or ``tls`` given); ``insecure=True`` turns both off and warns.
-
-    Raises ``RuntimeError`` with the tail of the logs if the run produced no result.
+    TLS and SuperNode authentication are on by default (``tls`` or generated); ``insecure=True`` turns both off
+    and warns. This process is the operator's: it computes the plan (:func:`~.plan.planned_config`) from the
+    shared source; the ServerApp gets only the plan. Raises ``RuntimeError`` with the logs' tail if no result.
     """
     from .flower_app import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
+    from .plan import FederationPlan, partition_summary, planned_config
+    from .task import build_task
 
+    cfg, partition = planned_config(cfg, build_task(cfg))
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="lalora-flwr-"))
     wd.mkdir(parents=True, exist_ok=True)
-    result_path = (wd / "result.json").resolve()
-    state_path = (wd / "global_state.pt").resolve()
+    result_path, state_path = (wd / "result.json").resolve(), (wd / "global_state.pt").resolve()
     run_config = {
         **cfg.to_dict(),
         RESULT_PATH_KEY: str(result_path),
@@ -449,6 +450,7 @@ def run_flower(
             f"Flower run produced no result (flwr run exit code {completed.returncode}).\n" + "\n".join(tails)
         )
     out = json.loads(result_path.read_text())
+    out["partition"] = partition_summary(cfg, FederationPlan.from_partition(partition), partition)
     out["state_path"] = str(state_path)
     out["workdir"] = str(wd)
     out["federation_id"] = fed.marker

@@ -13,6 +13,10 @@ accountant of the same kind, so the numbers are reproducible from data that can 
 * **reports accumulate.** A client reports its cumulative history each round. A report that extends what is
   recorded replaces it; one that does not (a reset accountant, a shorter or rewritten history) is *added* to
   it — the conservative reading — and the anomaly is kept in :meth:`PrivacyLedger.report`.
+* **a report claims no more than the server asked for.** With ``max_steps`` (the server passes the steps it
+  charged), a report with more steps, σ <= 0, a NaN/∞ or negative entry is refused *before* any accountant
+  call (:class:`InadmissibleReport`, noted in ``anomalies``): a reply claiming 1e9 steps cannot make the PRV
+  accountant allocate without bound, nor inflate ε to 1e11 with RDP.
 * **the server's own count is a floor.** :meth:`PrivacyLedger.charge` records what the server asked for (the
   σ, q and number of steps of each train message it sent); a client's ε is the larger of the ε of its reports
   and the ε of its charges. A client that crashed mid-round, lost its reply or lied is charged all the same.
@@ -26,7 +30,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClientPrivacy", "PrivacyLedger", "epsilon_from_history", "extends", "normalize_history"]
+__all__ = [
+    "ClientPrivacy",
+    "InadmissibleReport",
+    "PrivacyLedger",
+    "epsilon_from_history",
+    "extends",
+    "normalize_history",
+    "report_problem",
+]
 
 HistoryEntry = tuple[float, float, int]
 
@@ -52,6 +64,29 @@ def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
         else:
             out.append((sigma, q, steps))
     return out
+
+
+class InadmissibleReport(ValueError):
+    """A client's accountant report is out of bounds (refused before it reaches an accountant)."""
+
+
+def report_problem(history: Iterable[Sequence[float]], max_steps: int) -> str | None:
+    """Why a client-supplied history is inadmissible, or ``None``: malformed, NaN/∞/negative entries, σ <= 0
+    (ε = ∞ — a federation never runs without noise) or more steps in all than ``max_steps`` (what was charged).
+    Cheap: no accountant is called."""
+    entries = list(history)
+    if len(entries) > max_steps:  # every real entry holds >= 1 step
+        return f"{len(entries)} history entries but the server charged only {max_steps} steps"
+    try:
+        hist = normalize_history(entries)
+    except (ValueError, TypeError, OverflowError) as err:
+        return f"malformed accountant history: {err}"
+    if any(not s > 0 for s, _, _ in hist):
+        return "noise_multiplier <= 0 in the reported history (a federated client always adds noise)"
+    total = sum(n for _, _, n in hist)
+    if total > max_steps:
+        return f"reports {total} DP steps but the server charged only {max_steps}"
+    return None
 
 
 def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "rdp") -> float:
@@ -129,14 +164,22 @@ class PrivacyLedger:
         """Make ``client`` appear in reports (with ε = 0) before it is ever sampled."""
         self._clients.setdefault(client, ClientPrivacy(client))
 
-    def record(self, client: Any, history: Iterable[Sequence[float]], *, participated: bool = True) -> float:
+    def record(self, client: Any, history: Iterable[Sequence[float]], *, participated: bool = True,
+               max_steps: int | None = None) -> float:  # fmt: skip
         """Take ``client``'s cumulative accountant history as it reports it now; return its ε.
 
         A report that extends the recorded history replaces it. Any other report is added to it (never
-        lowering ε) and noted in ``anomalies``, with a ``RuntimeWarning``.
+        lowering ε) and noted in ``anomalies``, with a ``RuntimeWarning``. With ``max_steps`` (a remote
+        report), :func:`report_problem` is checked first: an inadmissible report is noted in ``anomalies`` and
+        raises :class:`InadmissibleReport`, and nothing is recorded.
         """
-        hist = normalize_history(history)
         info = self._clients.setdefault(client, ClientPrivacy(client))
+        if max_steps is not None:
+            problem = report_problem(history, max_steps)
+            if problem is not None:
+                info.anomalies.append(f"report refused: {problem}")
+                raise InadmissibleReport(problem)
+        hist = normalize_history(history)
         if extends(hist, info.history):
             info.history = hist
         else:

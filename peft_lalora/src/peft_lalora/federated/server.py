@@ -3,13 +3,16 @@
 One round, whichever runner drives it::
 
     sampled = server.start_round(r)        # seeded sample; each sampled client is charged (σ, q, K) to the ledger
-    server.receive(c, state=..., history=..., loss=...)   # a client's update (its history goes to the ledger)
+    server.receive(c, state=..., history=...)   # a client's update (its history goes to the ledger, bounded)
     server.reject(c, reason, history=...)  # a failed / malformed / refused reply (its spend is still recorded)
     record = server.finish_round()         # FedAvg (or keep the global state), evaluate, record
 
-The server owns the global adapter, the partition sizes it assigned (the FedAvg weights — never what a client
-reports), the (σ, q) of every partition (computed here with the client's own function), the privacy ledger
-and the round records; :meth:`result` is the run's JSON-ready result.
+The server owns the global adapter, the partition sizes of the operator's plan (the FedAvg weights — never
+what a client reports; :mod:`.plan`), the (σ, q) of every partition (computed here with the client's own
+function), the privacy ledger and the round records; :meth:`result` is the run's JSON-ready result. It holds
+no client data: :meth:`FederationServer.from_plan` needs the plan, the task's model and, for evaluation, only
+the operator's own evaluation data. A reply's accountant history is bounded (steps <= what was charged,
+σ > 0, finite) before it reaches the ledger; a reply that claims more is refused with its reason.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from .aggregate import AggregationError
 from .federation import FederationConfig, aggregate_updates, noise_record, sample_clients
-from .ledger import PrivacyLedger
+from .ledger import InadmissibleReport, PrivacyLedger
+from .plan import FederationPlan, partition_summary
 
 __all__ = ["FederationResult", "FederationServer", "RoundRecord"]
 
@@ -40,11 +44,12 @@ class RoundRecord:
     clients: list[int]
     accuracy: float
     loss: float
-    train_loss: float
     rejected: list[dict[str, Any]] = field(default_factory=list)
     max_epsilon: float = 0.0
     #: why the round produced no new global state (kept the previous one); ``None`` if it aggregated
     error: str | None = None
+    #: mean noise-free training loss of the clients: only with ``release_nonprivate_stats`` (NOT private)
+    train_loss: float | None = None
 
 
 @dataclass
@@ -60,6 +65,7 @@ class FederationResult:
     state: State
     wall_s: float = 0.0
     noise: dict[str, Any] = field(default_factory=dict)  #: :func:`~.federation.noise_record`
+    evaluation: str = ""  #: which data the server evaluated on (or why it did not)
 
     @property
     def accuracy(self) -> list[float]:
@@ -77,6 +83,7 @@ class FederationResult:
             "privacy": self.privacy,
             "partition": self.partition,
             "noise": self.noise,
+            "evaluation": self.evaluation,
             "failed_rounds": [r.round for r in self.rounds if r.error is not None],
             "wall_s": self.wall_s,
         }
@@ -108,6 +115,7 @@ class FederationServer:
         privacy: ``{partition: (σ, q)}`` as the server computes them.
         evaluator: ``evaluator(state) -> {"accuracy", "loss"}`` after every round (``None``: not evaluated).
         partition_summary: what the result JSON says about the split.
+        evaluation: what the result says about the evaluation data.
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class FederationServer:
         *,
         evaluator: Callable[[Mapping[str, torch.Tensor]], dict[str, float]] | None = None,
         partition_summary: dict[str, Any] | None = None,
+        evaluation: str = "",
     ) -> None:
         if len(sizes) != cfg.num_clients or sorted(privacy) != list(range(cfg.num_clients)):
             raise ValueError("sizes and privacy must cover every partition 0..num_clients-1")
@@ -128,6 +137,7 @@ class FederationServer:
         self.privacy = dict(privacy)
         self.evaluator = evaluator
         self.partition_summary = partition_summary or {"sizes": self.sizes}
+        self.evaluation = evaluation or ("none" if evaluator is None else "the server's evaluator")
         self.ledger = PrivacyLedger(cfg.delta, cfg.accountant)
         for c in range(cfg.num_clients):
             self.ledger.register(c)
@@ -137,28 +147,46 @@ class FederationServer:
 
     @classmethod
     def build(cls, cfg: FederationConfig, task: Any = None) -> tuple[FederationServer, Any, Any]:
-        """``(server, task, partition)`` for ``cfg``; ``task`` is reused when it was built for the same
-        ``cfg.task_key()`` (``ValueError`` otherwise)."""
-        from .client import privacy_parameters
-        from .federation import build_evaluator, build_partition, build_task
+        """``(server, task, partition)`` for the in-process runner, which holds the shared source: the plan is
+        computed from its partition. ``task`` is reused when built for the same ``cfg.task_key()``."""
+        from .federation import build_partition, build_task
 
         if task is None:
             task = build_task(cfg)
         elif task.key != cfg.task_key():
             raise ValueError(f"task was built for {task.key}, but this run needs {cfg.task_key()}: build_task(cfg)")
         partition = build_partition(cfg, task)
-        evaluator = build_evaluator(cfg, task)
+        plan = FederationPlan.from_partition(partition)
+        if cfg.planned_sizes() not in (None, list(plan.sizes)):
+            raise ValueError(f"partition_sizes={cfg.partition_sizes!r} but the data splits into {list(plan.sizes)}")
+        return cls.from_plan(cfg, task, plan, partition=partition, evaluate_held_out=True), task, partition
+
+    @classmethod
+    def from_plan(cls, cfg: FederationConfig, task: Any, plan: FederationPlan, *, partition: Any = None,
+                  evaluate_held_out: bool = False) -> FederationServer:  # fmt: skip
+        """A server from the operator's ``plan`` and ``task``'s model — it never reads ``task.train``. It
+        evaluates on ``task.test`` when that is the operator's own data; a test split carved from the clients'
+        source (``task.test_from_train``) only with ``evaluate_held_out`` (the in-process runner, which holds
+        that source anyway)."""
+        from .adapter_state import adapter_state, trainable_parameters
+        from .client import privacy_parameters
+        from .federation import build_evaluator, make_peft_model
+
+        if len(plan.sizes) != cfg.num_clients:
+            raise ValueError(f"the plan has {len(plan.sizes)} partitions but the run has {cfg.num_clients}")
         client_cfg = cfg.client_config()
-        privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(partition.sizes)}
-        server = cls(
-            cfg,
-            evaluator.initial_state(),
-            partition.sizes,
-            privacy,
-            evaluator=evaluator,
-            partition_summary=partition.summary(),
-        )
-        return server, task, partition
+        privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(plan.sizes)}
+        if (evaluate_held_out or not task.test_from_train) and task.test is not None:  # never load a carved split
+            evaluator = build_evaluator(cfg, task)
+            initial = evaluator.initial_state()
+            whose = "held out from the shared source" if task.test_from_train else "the operator's evaluation data"
+            evaluation = f"{task.name}: {whose} ({len(task.test)} examples)"
+        else:
+            evaluator, initial = None, adapter_state(trainable_parameters(make_peft_model(cfg, task)))
+            evaluation = "none: no evaluation data of the operator's own (test_data); accuracy is not measured"
+        summary = partition_summary(cfg, plan, partition)
+        return cls(cfg, initial, list(plan.sizes), privacy, evaluator=evaluator, partition_summary=summary,
+                   evaluation=evaluation)  # fmt: skip
 
     def _evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
@@ -184,23 +212,37 @@ class FederationServer:
             raise ValueError(f"client {client} was not sampled in round {self._round.index}")
         return self._round
 
+    def _record(self, client: int, history: Sequence[Sequence[float]]) -> str | None:
+        """Book a reply's history, bounded by what was charged; the reason when it is refused."""
+        try:
+            self.ledger.record(client, history, max_steps=self.ledger.clients[client].charged_steps)
+        except InadmissibleReport as err:
+            return f"accountant report refused: {err}"
+        return None
+
     def receive(self, client: int, *, state: Mapping[str, torch.Tensor], history: Sequence[Sequence[float]],
-                loss: float = math.nan) -> None:  # fmt: skip
-        """A client's update; its accountant history goes to the ledger first (spent even if rejected later)."""
+                loss: float | None = None) -> None:  # fmt: skip
+        """A client's update; its accountant history goes to the ledger first (spent even if rejected later).
+        A history out of bounds rejects the whole reply; ``loss`` is kept only with ``release_nonprivate_stats``."""
         rnd = self._current(client)
         if client in rnd.ids:
             raise ValueError(f"client {client} already sent its update for round {rnd.index}")
-        self.ledger.record(client, history)
+        problem = self._record(client, history)
+        if problem is not None:
+            rnd.failures.append({"client": client, "reason": problem})
+            return
         rnd.states.append(dict(state))
         rnd.ids.append(client)
-        rnd.losses.append(float(loss))
+        if loss is not None and self.cfg.release_nonprivate_stats:
+            rnd.losses.append(float(loss))
 
     def reject(self, client: int | None, reason: str, *, history: Sequence[Sequence[float]] | None = None) -> None:
         """A failed, malformed or refused reply (``client=None``: not attributable); its history, when known,
         still goes to the ledger."""
         rnd = self._current(None)
         if client is not None and history is not None:
-            self.ledger.record(client, history)
+            problem = self._record(client, history)
+            reason = reason if problem is None else f"{reason}; {problem}"
         rnd.failures.append({"client": client, "reason": reason})
 
     def finish_round(self) -> RoundRecord:
@@ -224,7 +266,7 @@ class FederationServer:
             clients=list(rnd.sampled),
             accuracy=metrics["accuracy"],
             loss=metrics["loss"],
-            train_loss=sum(good) / len(good) if good else math.nan,
+            train_loss=(sum(good) / len(good) if good else math.nan) if self.cfg.release_nonprivate_stats else None,
             rejected=[{"client": r.client, "reason": r.reason} for r in rejected] + rnd.failures,
             max_epsilon=self.ledger.max_epsilon,
             error=error,
@@ -244,4 +286,5 @@ class FederationServer:
             state=self.global_state,
             wall_s=wall_s,
             noise=noise_record(self.cfg),
+            evaluation=self.evaluation,
         )

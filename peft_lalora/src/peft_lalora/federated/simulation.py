@@ -6,6 +6,10 @@ so both runners give the same global adapter for the same configuration (with ``
 default every round's noise is fresh OS entropy). Clients are built once, when first sampled, and keep
 their Opacus engine and accountant for the whole run.
 
+What a client hands the server is exactly what a Flower client sends (:func:`~.replies.reply_metrics`: the
+noisy state and the accountant history; the noise-free training loss only with ``release_nonprivate_stats``).
+The runner holds the shared source, so the plan (partition sizes) is computed from it.
+
 A client that raises is recorded like a Flower error reply (its reason in the round's ``rejected``, the steps
 it took before failing in the ledger) and the round goes on with the others; a round with no valid update
 keeps the global adapter and records why (``error``) — as in the Flower app.
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from .federation import FederationConfig, build_client
+from .replies import history_of, reply_metrics
 from .server import FederationResult, FederationServer, RoundRecord
 from .task import Task
 
@@ -59,7 +64,8 @@ def run_simulation(
                 history = clients[c].history if c in clients else None
                 server.reject(c, f"client raised {type(exc).__name__}: {exc}", history=history)
                 continue
-            server.receive(c, state=update.state, history=update.history, loss=update.loss)
+            reply = reply_metrics(update, cfg)
+            server.receive(c, state=update.state, history=history_of(reply), loss=reply.get("train-loss"))
         rec = server.finish_round()
         if rec.error is not None and progress:
             bar.write(f"round {rnd}: {rec.error}")

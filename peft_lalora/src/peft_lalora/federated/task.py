@@ -8,9 +8,13 @@
   splits uses them). ``text_column`` and ``label_column`` name the columns (string labels are encoded in sorted
   order), ``group_column`` optionally the column for ``partition="group"``. The test split is ``test_data`` or,
   without it, a seeded stratified ``test_fraction`` of ``data``. Texts are tokenized to ``seq_len`` tokens.
+  Both splits load on first use; built with ``server=True`` (the Flower server) the task never reads ``data``:
+  the model needs ``num_labels`` (the plan fills it in) or ``test_data``, the operator's evaluation file.
 * ``task="package.module:factory"``: ``factory(cfg) -> Task``, for experiment tasks (the ``dp-bench`` harness
   provides ``dp_bench.task:tiny`` and ``dp_bench.task:minilm_rt``). The factory must be importable in every
-  process that runs the federation (each Flower SuperNode rebuilds the task from the configuration).
+  process that runs the federation (each Flower SuperNode rebuilds the task from the configuration); its
+  ``train`` should be a loader (see :class:`Task`) so that the Flower server, which builds the task for its
+  model, loads no client data.
 
 Every process must build the *same* task from the same configuration: splits and subsamples are seeded by
 ``cfg.seed`` and the base model's freshly initialized head by the factory's seed, without touching the
@@ -44,23 +48,48 @@ class Task:
     Attributes:
         name: for reports.
         train, test: datasets with the tensor ``columns`` (``label`` last) and, for ``partition="group"``, the
-            ``group_column``; partitioners read ``train``'s ``label``.
+            ``group_column``; partitioners read ``train``'s ``label``. Either may be given as a zero-argument
+            loader, called on first access only: the Flower server builds the task but never touches ``train``
+            (the clients' data), and evaluates on ``test`` only when it is the operator's own data.
         num_labels: number of classes.
         columns: the tensor columns handed to the model, ``"label"`` last.
         model_factory: builds a fresh base model (called inside a forked RNG; must be deterministic).
         group_column: the column ``partition="group"`` splits by, if any.
         key: the configuration fields the task was built from (``FederationConfig.task_key()``), so a built
             task is only reused for runs that would build the same one.
+        test_from_train: ``test`` is carved from the clients' data source (loading it reads that source), so a
+            server that holds no client data does not evaluate on it.
     """
 
     name: str
-    train: Any
-    test: Any
+    train: Any = field(repr=False)
+    test: Any = field(repr=False)
     num_labels: int
     columns: tuple[str, ...]
     model_factory: Callable[[], nn.Module]
     group_column: str | None = None
     key: dict[str, Any] = field(default_factory=dict)
+    test_from_train: bool = False
+
+    def __post_init__(self) -> None:
+        loaders = {}
+        for split in ("train", "test"):
+            value = self.__dict__[split]
+            if callable(value) and not hasattr(value, "__getitem__"):  # a loader, not a dataset
+                loaders[split] = self.__dict__.pop(split)
+        self.__dict__["_loaders"] = loaders
+
+    def __getattr__(self, name: str) -> Any:  # only reached for a split that is not loaded yet
+        loaders = self.__dict__.get("_loaders", {})
+        if name in ("train", "test") and name in loaders:
+            value = loaders.pop(name)()
+            self.__dict__[name] = value
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def loaded(self, split: str) -> bool:
+        """Whether ``split`` has been loaded (or was given as data)."""
+        return split in self.__dict__
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -138,43 +167,101 @@ def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None) -> tuple[A
     return ds, names
 
 
-def text_task(cfg: FederationConfig) -> Task:
-    """The user's text-classification task (``task="text"``); see the module docstring."""
-    import datasets
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+class _TextSource:
+    """The text task's splits, each loaded on first use: the clients' ``data`` and the operator's ``test_data``."""
 
-    if not cfg.model or not cfg.data:
-        raise ValueError("task='text' needs model=<model folder or hub id> and data=<CSV/JSONL file or dataset folder>")
-    raw = load_table(cfg.data)
-    if isinstance(raw, datasets.DatasetDict):
-        if "train" not in raw:
-            raise ValueError(f"{cfg.data}: a saved DatasetDict needs a 'train' split (has {list(raw)})")
-        train, test = raw["train"], raw.get("test")
-    else:
-        train, test = raw, None
-    if cfg.test_data:
-        test = load_table(cfg.test_data)
-    train, names = _prepare(train, cfg, None)
-    if test is not None:
-        test, names = _prepare(test, cfg, names)
-    else:
-        stratify = "label" if isinstance(train.features["label"], datasets.ClassLabel) else None
-        parts = train.train_test_split(test_size=cfg.test_fraction, seed=cfg.seed, stratify_by_column=stratify)
-        train, test = parts["train"], parts["test"]
-    train, test = subsample(train, cfg.n_train, cfg.seed), subsample(test, cfg.n_test, cfg.seed + 1)
-    labels = np.asarray(list(train["label"]) + list(test["label"]))
+    def __init__(self, cfg: FederationConfig, tokenizer: Any) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.names: list[str] | None = None
+        self._train: Any = None
+        self._held_out: Any = None  # the test split carved from (or saved with) ``data``
+        self._done: dict[str, Any] = {}  # tokenized splits
+
+    def _tokenize(self, ds: Any) -> Any:
+        seq_len = self.cfg.seq_len or DEFAULT_SEQ_LEN
+
+        def tokenize(batch: dict[str, list[Any]]) -> Any:
+            return self.tokenizer(batch["text"], truncation=True, padding="max_length", max_length=seq_len)
+
+        return ds.map(tokenize, batched=True, remove_columns=["text"])
+
+    def _load_data(self) -> None:
+        import datasets
+
+        cfg = self.cfg
+        raw = load_table(cfg.data)
+        if isinstance(raw, datasets.DatasetDict):
+            if "train" not in raw:
+                raise ValueError(f"{cfg.data}: a saved DatasetDict needs a 'train' split (has {list(raw)})")
+            train, held = raw["train"], raw.get("test")
+        else:
+            train, held = raw, None
+        train, self.names = _prepare(train, cfg, None)
+        if cfg.test_data:
+            held = None
+        elif held is not None:
+            held, self.names = _prepare(held, cfg, self.names)
+        else:
+            stratify = "label" if isinstance(train.features["label"], datasets.ClassLabel) else None
+            parts = train.train_test_split(test_size=cfg.test_fraction, seed=cfg.seed, stratify_by_column=stratify)
+            train, held = parts["train"], parts["test"]
+        self._train, self._held_out = subsample(train, cfg.n_train, cfg.seed), held
+
+    def train(self) -> Any:
+        if "train" not in self._done:
+            if self._train is None:
+                self._load_data()
+            self._done["train"] = self._tokenize(self._train)
+        return self._done["train"]
+
+    def test(self) -> Any:
+        if "test" not in self._done:
+            self._done["test"] = self._test()
+        return self._done["test"]
+
+    def _test(self) -> Any:
+        if not self.cfg.test_data:
+            if self._train is None:
+                self._load_data()
+            return self._tokenize(subsample(self._held_out, self.cfg.n_test, self.cfg.seed + 1))
+        test, names = _prepare(load_table(self.cfg.test_data), self.cfg, self.names)
+        if self.names is None and names is not None and self.cfg.num_labels and len(names) != self.cfg.num_labels:
+            raise ValueError(
+                f"{self.cfg.test_data}: its labels {names} are not the run's {self.cfg.num_labels} classes; string "
+                "labels are encoded in sorted order, so the evaluation file must contain every class"
+            )
+        return self._tokenize(subsample(test, self.cfg.n_test, self.cfg.seed + 1))
+
+    def num_labels(self, server: bool) -> int:
+        """``cfg.num_labels``, else from the data: the server reads only ``test_data`` (never ``data``)."""
+        if self.cfg.num_labels:
+            return self.cfg.num_labels
+        if server:
+            if not self.cfg.test_data:
+                raise ValueError("the server does not read the clients' data: set num_labels (or test_data)")
+            return _count_labels(self.test(), None)
+        train, test = self.train(), self.test()
+        return _count_labels(train, test, self.names)
+
+
+def _count_labels(a: Any, b: Any, names: list[str] | None = None) -> int:
+    labels = np.asarray(list(a["label"]) + (list(b["label"]) if b is not None else []))
     if labels.size == 0 or labels.min() < 0:
         raise ValueError("labels must be non-negative integers or strings")
-    num_labels = cfg.num_labels or (len(names) if names else int(labels.max()) + 1)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    seq_len = cfg.seq_len or DEFAULT_SEQ_LEN
+    return len(names) if names else int(labels.max()) + 1
 
-    def tokenize(batch: dict[str, list[Any]]) -> Any:
-        return tokenizer(batch["text"], truncation=True, padding="max_length", max_length=seq_len)
 
-    train = train.map(tokenize, batched=True, remove_columns=["text"])
-    test = test.map(tokenize, batched=True, remove_columns=["text"])
-    inputs = tuple(c for c in ("input_ids", "attention_mask", "token_type_ids") if c in train.column_names)
+def text_task(cfg: FederationConfig, *, server: bool = False) -> Task:
+    """The user's text-classification task (``task="text"``); see the module docstring. ``server=True``: built
+    for a server, which never reads ``data`` (only the model, and ``test_data`` when given)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if not cfg.model or not (cfg.data or server):
+        raise ValueError("task='text' needs model=<model folder or hub id> and data=<CSV/JSONL file or dataset folder>")
+    source = _TextSource(cfg, AutoTokenizer.from_pretrained(cfg.model))
+    num_labels = source.num_labels(server)
+    known = source.tokenizer.model_input_names
+    inputs = tuple(c for c in ("input_ids", "attention_mask", "token_type_ids") if c in known)
     seed = cfg.seed
 
     def make_model() -> nn.Module:
@@ -183,20 +270,22 @@ def text_task(cfg: FederationConfig) -> Task:
 
     return Task(
         name=f"text:{Path(cfg.model).name}",
-        train=train,
-        test=test,
+        train=source.train,
+        test=source.test,
         num_labels=num_labels,
         columns=(*inputs, "label"),
         model_factory=make_model,
         group_column=cfg.group_column or None,
         key=cfg.task_key(),
+        test_from_train=not cfg.test_data,
     )
 
 
-def build_task(cfg: FederationConfig) -> Task:
-    """The task ``cfg.task`` names: ``"text"`` or ``"package.module:factory"`` (see the module docstring)."""
+def build_task(cfg: FederationConfig, *, server: bool = False) -> Task:
+    """The task ``cfg.task`` names: ``"text"`` or ``"package.module:factory"`` (see the module docstring).
+    ``server=True``: for the Flower server, which only builds the model and reads no client data."""
     if cfg.task == "text":
-        return text_task(cfg)
+        return text_task(cfg, server=server)
     module, _, attr = cfg.task.partition(":")
     if not module or not attr:
         raise ValueError(f"task must be 'text' or 'package.module:factory', got {cfg.task!r}")
