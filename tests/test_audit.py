@@ -175,8 +175,8 @@ def test_gradient_canaries_are_injected_exactly_into_the_clipped_sum() -> None:
     """No noise and a zero clipped sum: the released gradient is exactly the included canaries, C/B each."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    with pytest.warns(RuntimeWarning, match="NOT differentially private"):
-        module, opt, dl = _private(model, nm=0.0, allow_non_private=True, poisson_sampling=False)
+    with pytest.warns(RuntimeWarning, match="NOT differentially private"):  # noise 0 without the opt-in warns
+        module, opt, dl = _private(model, nm=0.0, poisson_sampling=False)
     can = GradientCanaries(opt, 300, module=module, seed=3)
     for x, y in list(dl)[:3]:
         opt.zero_grad()
@@ -196,8 +196,8 @@ def test_gradient_canaries_are_injected_exactly_into_the_clipped_sum() -> None:
 def test_subsampled_canaries_take_part_at_their_rate() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    with pytest.warns(RuntimeWarning):
-        module, opt, dl = _private(model, nm=0.0, allow_non_private=True, poisson_sampling=False)
+    with pytest.warns(RuntimeWarning, match="NOT differentially private"):
+        module, opt, dl = _private(model, nm=0.0, poisson_sampling=False)
     can = GradientCanaries(opt, 1000, module=module, sample_rate=0.25, seed=0, params="0.weight")
     assert {name for name, _ in can.coordinates} == {"0.weight"}
     for x, y in list(dl)[:4]:

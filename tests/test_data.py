@@ -339,7 +339,7 @@ def test_demo_smoke_tiny(tmp_path: Path) -> None:
          "--lora-layers", "1", "--eval-every", "1", "--tiny-train", "128", "--tiny-test", "64", "--epsilon", "2",
          "--out", str(tmp_path)]
     )  # fmt: skip
-    assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt_paper"}
+    assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt", "dp-lora+rmt_paper"}
     for s in res["summary"].values():
         assert s["steps"] == 2 and 1.5 < s["epsilon"] <= 2.0 + 1e-6
         assert 0.0 <= s["accuracy"] <= 1.0

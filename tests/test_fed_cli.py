@@ -105,10 +105,11 @@ def test_bad_arguments_exit_cleanly(tmp_path, capsys):
 def test_every_config_field_is_a_flag_with_its_default():
     import dataclasses
 
+    from peft_lalora.cli import CLI_DEFAULTS
     from peft_lalora.federated.federation import FederationConfig
 
-    args = build_parser().parse_args(["federate"])
-    assert config_from_args(args) == FederationConfig()
+    args = build_parser().parse_args(["federate"])  # the library's defaults except CLI_DEFAULTS (docs/results.md §9)
+    assert config_from_args(args) == FederationConfig(**{k: v for k, (v, _) in CLI_DEFAULTS.items()})
     for f in dataclasses.fields(FederationConfig):
         assert hasattr(args, f.name), f.name
     cfg = config_from_args(build_parser().parse_args(["federate", "--no-weighted", "--num-clients", "5"]))

@@ -217,7 +217,7 @@ def strategy(monkeypatch):
 
     def make(accountant):
         cfg = FederationConfig(task="dp_bench.task:tiny", num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0,
-                               accountant=accountant)  # fmt: skip
+                               accountant=accountant, max_update_norm=1e3)  # fmt: skip  (synthetic +1 updates)
         g0 = {"a": torch.zeros(2, 3), "b": torch.ones(3)}
         server = FederationServer(cfg, g0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
         strat = flower_app.LALoraStrategy(server, {0: 12, 1: 77})

@@ -258,7 +258,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    cfg = FederationConfig(**{**CFG, "num_clients": 3})
+    cfg = FederationConfig(**{**CFG, "num_clients": 3, "max_update_norm": 1e3})  # synthetic updates, not a client's
     g0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2)}
     server = FederationServer(cfg, g0, sizes=[10, 10, 10], privacy={p: (1.0, 0.1) for p in range(3)})
     ledger = server.ledger

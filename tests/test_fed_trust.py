@@ -41,7 +41,10 @@ def strategy(monkeypatch):
         monkeypatch.setattr(TaskIdentity, attr, value)
     from peft_lalora.federated.server import FederationServer
 
-    cfg = FederationConfig(task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0)
+    # attribution tests with synthetic shifts (1 to 100) far longer than a real client's 3 steps at lr 5e-3: an
+    # explicit bound above all of them keeps the derived default bound (which would clip them) out of the way
+    cfg = FederationConfig(task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0,
+                           max_update_norm=1e3)  # fmt: skip
     server = FederationServer(cfg, G0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
     strat = flower_app.LALoraStrategy(server, flower_app.assign_partitions([77, 12], 2))
     strat.ledger = server.ledger

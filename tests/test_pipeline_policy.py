@@ -203,19 +203,26 @@ def test_nonfinite_gradient_ignore_lets_nan_through_as_opacus_does():
 
 
 # ------------------------------------------------------------------------------------- noise-free training
-def test_zero_noise_needs_an_explicit_non_private_opt_in():
-    with pytest.raises(ValueError, match="NOT differentially private.*allow_non_private=True"):
-        _private(None, nm=0.0)
-    with pytest.warns(RuntimeWarning, match="NOT differentially private"):
-        engine, gsm, dp_opt, dl, model = _private(["rmt"], nm=0.0, allow_non_private=True)
+def test_zero_noise_warns_like_a_drop_in_and_denoisers_need_the_opt_in():
+    with pytest.warns(RuntimeWarning, match="NOT differentially private.*allow_non_private=True"):
+        engine, gsm, dp_opt, dl, model = _private(None, nm=0.0)  # trains, as vanilla Opacus does
     _steps(gsm, dp_opt, dl, 1)
-    # vanilla Opacus accepts it silently (pinned: this is why the opt-in exists)
+    with pytest.raises(ValueError, match="NOT differentially private.*post_hooks.*allow_non_private=True"):
+        _private(["rmt"], nm=0.0)  # denoisers calibrated to noise 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the opt-in silences the warning
+        engine, gsm, dp_opt, dl, model = _private(["rmt"], nm=0.0, allow_non_private=True)
+        _private([], nm=0.0, allow_non_private=True)
+    _steps(gsm, dp_opt, dl, 1)
+    # vanilla Opacus accepts it silently (pinned: this is why the warning exists)
     torch.manual_seed(0)
     m = mlp(hidden=32, d_out=4)
-    opacus.PrivacyEngine().make_private(
-        module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=0.0, max_grad_norm=C,
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opacus.PrivacyEngine().make_private(
+            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=0.0, max_grad_norm=C,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- selectors

@@ -348,7 +348,7 @@ def test_docs_example_runs(tmp_path, monkeypatch):
     exec(compile(code, "docs/trainer.md", "exec"), ns)
     t = ns["trainer"]
     assert 0 < t.get_epsilon() <= 3.0 and t.state.global_step == 2  # 48 examples, logical batch 256: 1 step / epoch
-    assert t.controller is not None and t.privacy_engine.post_hooks.diagnostics.steps == 2
+    assert t.controller is not None and t.privacy_engine.post_hooks is None  # no denoiser at this batch (the docs)
     assert (tmp_path / "dp-lalora" / "adapter" / "adapter_config.json").is_file()
 
 

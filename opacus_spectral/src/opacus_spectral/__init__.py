@@ -18,6 +18,7 @@ from .installation import PostHookHandle, install_post_hooks
 from .losses import causal_lm_loss
 from .lowpass import LowPassDenoiser
 from .noise_source import ReproducibleNoiseWarning
+from .observer import observer
 from .pipeline import (
     DenoiserError,
     NonFiniteGradientError,
@@ -67,6 +68,7 @@ __all__ = [
     "install_post_hooks",
     "load_errors",
     "noise_std",
+    "observer",
     "reload_registry",
     "set_trainable",
 ]

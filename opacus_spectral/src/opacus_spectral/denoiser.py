@@ -21,8 +21,9 @@ class DenoiserProtocol(Protocol):
     record (same shape, dtype and device; ``None`` entries keep the record's tensor). It keeps neither a
     record nor its tensor's memory after the call (``.clone()`` what it keeps; ``.detach()`` shares the
     memory, ``docs/upstream.md`` §1.5); the engine copies outputs into fresh ``p.grad`` memory, so returning a
-    tensor it keeps is fine. Optionally it declares the noise its outputs carry with ``output_noise(grads)``
-    (see :meth:`Denoiser.output_noise`; a callable without it counts as ``"unknown"``).
+    tensor it keeps is fine. Outputs must be plain dense tensors (no sparse layout, no subclass). Optionally it
+    declares the noise its outputs carry with ``output_noise(grads)`` (see :meth:`Denoiser.output_noise`; a
+    callable without it counts as ``"unknown"``; a read-only logger is wrapped with :func:`~opacus_spectral.observer`).
     """
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None: ...
@@ -41,6 +42,9 @@ class Denoiser:
     #: averages the gradient over steps (a momentum of its own, e.g. ``ema``, ``doppler``): the engine then
     #: advises against optimizer momentum or an adaptive optimizer behind it (:mod:`~opacus_spectral.advice`)
     temporal: bool = False
+    #: acts only on records whose noise is isotropic with a known std (a spectral denoiser such as ``rmt``): the
+    #: pipeline warns once when an earlier callable that declares no output noise makes it skip records
+    needs_isotropic_noise: bool = False
 
     def __init__(self) -> None:
         self.diagnostics: dict[str, Any] = {}
@@ -92,3 +96,9 @@ def denoiser_name(d: object) -> str:
     if isinstance(name, str):
         return name
     return getattr(d, "__name__", type(d).__name__)
+
+
+def declares_noise(d: object) -> bool:
+    """Whether ``d`` declares its output noise: it has an ``output_noise`` other than :class:`Denoiser`'s default."""
+    declare = getattr(d, "output_noise", None)
+    return declare is not None and getattr(declare, "__func__", None) is not Denoiser.output_noise

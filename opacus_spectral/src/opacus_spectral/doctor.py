@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from opacus.grad_sample import GradSampleHooksFastGradientClipping
+from opacus.grad_sample import GradSampleHooksFastGradientClipping, GradSampleModuleExpandedWeights
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from .copies import InertOnCopy
 from .doctor_batches import BatchObserver, per_sample_rows
 from .doctor_fingerprint import ParameterFingerprint, tensor_norms
 from .installation import HANDLE_ATTR
@@ -138,7 +139,7 @@ class Doctor:
         self._handles = [
             inner.register_step_pre_hook(self._pre_step),
             inner.register_step_post_hook(self._post_step),
-            self._model.register_forward_pre_hook(self._on_forward),
+            _forward_target(module, self._model).register_forward_pre_hook(InertOnCopy(self._on_forward)),
         ]
         setattr(inner, DOCTOR_ATTR, self)
         try:
@@ -395,8 +396,8 @@ class Doctor:
         lr = {id(p): group.get("lr", 1.0) for group in inner.param_groups for p in group["params"]}
         checked, unchanged = 0, []
         for name, (p, before) in snapshot.items():
-            if p.grad is None or lr.get(id(p), 0.0) == 0 or not bool(p.grad.detach().abs().max() > 0):
-                continue  # no update expected (skipped step, lr 0 e.g. warm-up, zero gradient without noise)
+            if p.grad is None or lr.get(id(p), 0.0) == 0 or not bool(p.grad.detach().abs().gt(0).any()):
+                continue  # no update expected (skipped step, lr 0 e.g. warm-up, zero or zero-size gradient)
             checked += 1
             if torch.equal(p.detach(), before):
                 unchanged.append(name)
@@ -412,6 +413,12 @@ class Doctor:
                 "hook restores them. Fix: train adapters in float32, raise the learning rate, check the optimizer.",
                 unchanged,
             )
+
+
+def _forward_target(module: Any, model: nn.Module) -> nn.Module:
+    """Where the forward check hooks in: the user's model, or under ``grad_sample_mode="ew"`` Opacus' wrapper, whose
+    forward runs the model with its parameters swapped for ExpandedWeights that refuse attribute reads."""
+    return module if isinstance(module, GradSampleModuleExpandedWeights) else model
 
 
 def install_doctor(

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
 
 from .checkpoint import load_checkpoint_file, optimizer_step_count, verify_accountant_history
+from .copies import refuse_copies
 from .doctor import Doctor, DoctorSetting, install_doctor
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
@@ -40,6 +41,10 @@ NON_PRIVATE = (
     "noise_multiplier=0 trains with clipping only and NO noise: the model is NOT differentially private, "
     "whatever the accountant reports"
 )
+
+
+class NonPrivateWarning(RuntimeWarning):
+    """``noise_multiplier=0`` without ``allow_non_private=True``: clipping only, no differential privacy."""
 
 
 def _check_max_grad_norm(value: Any) -> None:
@@ -158,19 +163,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 names (``"rmt"``), ``(name, {kwargs})`` pairs or denoiser callables. ``None``: no pipeline.
             on_denoiser_error: ``"raise"`` or ``"fallback"`` (see :class:`~opacus_spectral.pipeline.PostNoisePipeline`).
             oracle: record cosines to the clean clipped gradient each step (benchmarks only).
-            max_output_ratio: bound on a denoiser's output norm in units of the step's noisy gradient norm
-                (default 1000; ``None``: no bound). Needs ``post_hooks``.
+            max_output_ratio: per-tensor bound on a denoiser's output norm, in units of max(that tensor's noisy
+                gradient norm, its expected noise norm) (default 1000; ``None``: no bound). Needs ``post_hooks``.
             on_nonfinite_grad: NaN/Inf in the noisy gradient: ``"raise"`` (default), ``"skip_step"`` or
                 ``"ignore"`` (Opacus' behaviour). Needs ``post_hooks`` (``[]`` is enough).
-            allow_non_private: ``noise_multiplier=0`` is refused unless this is ``True`` (then it warns):
-                clipping without noise gives no differential privacy.
+            allow_non_private: ``noise_multiplier=0`` (clipping without noise: no differential privacy) warns a
+                :class:`NonPrivateWarning` unless this is ``True``; with denoisers in ``post_hooks`` it is refused.
             doctor: checks for silent failures (:mod:`~opacus_spectral.doctor`): ``True``/``"warn"`` (default),
                 ``"raise"``, or ``False`` (off). The installed checks are ``engine.doctor``.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
         """
-        self._check_noise(kwargs.get("noise_multiplier"), allow_non_private)
+        self._check_noise(kwargs.get("noise_multiplier"), allow_non_private, post_hooks)
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         self._generators = []
@@ -178,6 +183,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
             self._generators.append((kwargs["noise_generator"], "noise", 0))
         out = super().make_private(*args, **kwargs)
+        refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
         self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
         if self.doctor is not None:
             self.doctor.remove()
@@ -270,15 +276,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
 
     @staticmethod
-    def _check_noise(noise_multiplier: Any, allow_non_private: bool) -> None:
-        if noise_multiplier is None or noise_multiplier != 0:
+    def _check_noise(noise_multiplier: Any, allow_non_private: bool, post_hooks: Sequence[Any] | None) -> None:
+        """Noise 0 trains as in Opacus with one :class:`NonPrivateWarning` (``allow_non_private=True`` silences it);
+        with denoisers it is refused unless opted in: they are calibrated to a noise level that is then 0."""
+        if noise_multiplier is None or noise_multiplier != 0 or allow_non_private:
             return
-        if not allow_non_private:
+        if post_hooks:
             raise ValueError(
-                f"{NON_PRIVATE}. Pass allow_non_private=True to make_private if that is what you want "
-                "(e.g. a clipping-only reference run)."
+                f"{NON_PRIVATE}, and the denoisers in post_hooks are calibrated to a noise std that is then 0 "
+                "(they would edit a clean gradient). Use noise_multiplier > 0, drop post_hooks, or pass "
+                "allow_non_private=True for a clipping-only reference run."
             )
-        warnings.warn(NON_PRIVATE + " (allow_non_private=True)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{NON_PRIVATE}. Pass allow_non_private=True to make_private to silence this for a clipping-only "
+            "reference run.",
+            NonPrivateWarning,
+            stacklevel=3,
+        )
 
     def _drop_previous_pipeline(self, optimizer: Any) -> None:
         """A new make_private on an optimizer that already carries a pipeline starts without it (whatever

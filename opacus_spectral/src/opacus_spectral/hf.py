@@ -19,9 +19,9 @@ What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :
   Trainer's own ``optimizer.step()`` on the last one adds the noise once per logical batch;
 * ``prediction_step`` / ``evaluation_loop``: a causal LM's ``eval_loss`` is the per-token mean next-token
   cross-entropy over the whole evaluation set, ``eval_perplexity`` its exponential;
-* ``log``: ε and δ join every log record (so ``report_to`` sends them); a training record keeps only the keys of
-  :mod:`.trainer_logs` (loss, FLOP and token counts, timing: dropped) unless ``release_nonprivate_stats=True``;
-  ``floating_point_ops`` counts nothing, so ``total_flos`` stays 0;
+* ``log``: ε and δ join every log record (so ``report_to`` sends them; ε = inf once a step had noise 0); a training
+  record keeps only the keys of :mod:`.trainer_logs` (loss, FLOP and token counts, timing: dropped) unless
+  ``release_nonprivate_stats=True``; ``floating_point_ops`` counts nothing, so ``total_flos`` stays 0;
 * ``_save_checkpoint`` / ``_load_from_checkpoint``: the DP state travels in ``opacus_spectral_dp.pt``, checked on
   resume against the Trainer's step counters and the loaded weights (:mod:`.trainer_state`).
 """
@@ -40,10 +40,11 @@ from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from . import trainer_loss
 from .denoiser import denoiser_name
 from .doctor import DoctorSetting, accounted_steps
 from .engine import PrivacyEngine
@@ -51,8 +52,8 @@ from .grad_sample import set_trainable
 from .noise_source import NoiseSource
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
 from .registry import DenoiserSpec
-from .trainer_budget import DPControl, budget_steps
-from .trainer_checks import check_supported
+from .trainer_budget import DPControl, budget_steps, spends_infinite_epsilon
+from .trainer_checks import check_run_length, check_supported, check_train_dataset
 from .trainer_distributed import LockstepPoissonSampler, check_evaluation, is_distributed, rank_wrapper
 from .trainer_logs import drop_unlisted
 from .trainer_loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
@@ -90,7 +91,7 @@ class DPTrainer(Trainer):
             from the PEFT ``task_type`` and the model class; token-level labels of a model neither places are
             refused). Decides each example's loss (:mod:`.trainer_loss`).
         criterion: sequence classification under ghost clipping: the per-example loss (default
-            ``nn.CrossEntropyLoss()`` on ``logits``).
+            ``nn.CrossEntropyLoss`` on ``logits``, with ``TrainingArguments.label_smoothing_factor``).
         doctor: ``"raise"`` (default), ``"warn"`` or ``False`` — see :mod:`~opacus_spectral.doctor`.
         alternation: attach peft_lalora's alternation callback when the model carries a LALoRA adapter and none
             is attached yet.
@@ -156,8 +157,7 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
-        if isinstance(dataset, IterableDataset) or not has_length(dataset):
-            raise ValueError("DPTrainer needs a dataset with a length: Poisson sampling draws from all of it")
+        check_train_dataset(dataset)
         k, ranks = self.args.gradient_accumulation_steps, max(1, self.args.world_size)
         logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate)
         generator = self.privacy_engine.sampler_generator(distributed=ranks > 1)
@@ -190,11 +190,13 @@ class DPTrainer(Trainer):
         check_trainable_dtypes(optimizer)
         sigma = self.noise_multiplier
         if sigma is None:
+            check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
             sigma = get_noise_multiplier(
                 target_epsilon=self.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
                 steps=self.state.max_steps, accountant=self.privacy_engine.accountant.mechanism(),
             )  # fmt: skip
-        extra: dict[str, Any] = {"criterion": self.criterion or nn.CrossEntropyLoss()} if self._ghost else {}
+        criterion = self.criterion or trainer_loss.ghost_criterion(self.label_smoother)  # smoothed per example
+        extra: dict[str, Any] = {"criterion": criterion} if self._ghost else {}
         self.model.train()  # as training_step does; evaluate() or from_pretrained leave eval mode, Opacus refuses it
         if is_distributed(self):  # Opacus' DPDDP: make_private builds the distributed optimizer
             self._ranks = rank_wrapper(self.model)
@@ -237,6 +239,8 @@ class DPTrainer(Trainer):
         steps = accounted_steps(self.privacy_engine.accountant)
         if steps == 0:
             return 0.0
+        if spends_infinite_epsilon(self.privacy_engine.accountant):  # σ = 0: the accountants overflow (PRV) instead
+            return math.inf
         if delta is not None and delta != self.target_delta:
             return float(self.privacy_engine.get_epsilon(delta))
         if self._eps_cache[0] != steps:

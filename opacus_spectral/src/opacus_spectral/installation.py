@@ -33,8 +33,6 @@ from .calibration import clean_scale, noise_std, world_size
 from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
     DEFAULT_MAX_OUTPUT_RATIO,
-    DenoiserError,
-    NonFiniteGradientError,
     OnError,
     OnNonFinite,
     PipelineDiagnostics,
@@ -203,7 +201,7 @@ class PostHookHandle:
             ]
         try:
             out = self.pipeline.run([p.grad for p in params], infos, sigma, clean)
-        except (DenoiserError, NonFiniteGradientError):
+        except BaseException:  # DenoiserError, NonFiniteGradientError, or anything else (even an interrupt):
             for p in params:  # never let the caller step on a gradient a denoiser may have corrupted in place
                 p.grad = None
             raise
@@ -269,8 +267,9 @@ def install_post_hooks(
             bit-identical.
         module: the model (wrapped or not) — used to name parameters and ask role plugins about them.
         on_error: ``"raise"`` (default) or ``"fallback"`` (keep the noisy gradient, warn once, count).
-        max_output_ratio: a denoiser output whose norm exceeds this many times the step's noisy gradient norm
-            is treated as invalid (default 1000; ``None``: no bound).
+        max_output_ratio: a denoiser output whose norm exceeds this many times its own tensor's reference
+            ``max(‖noisy gradient‖, sigma·sqrt(numel))`` is treated as invalid (default 1000; ``None``: no bound;
+            :mod:`~opacus_spectral.validation`).
         on_nonfinite_grad: NaN/Inf in the noisy gradient: ``"raise"`` (default), ``"skip_step"`` or ``"ignore"``.
         oracle: record cos(noisy, clean) vs cos(denoised, clean) each step (benchmarks; costs syncs).
         history: how many steps of diagnostics to keep.

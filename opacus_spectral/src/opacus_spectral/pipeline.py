@@ -2,11 +2,15 @@
 noisy gradients.
 
 It builds one :class:`NoisyGradient` per parameter that has a gradient, calls each denoiser and validates
-what comes back: ``None`` (edited in place) or one tensor (or ``None``) per record, each with the input's
-shape, dtype and device, finite where the input was finite, and with a norm of at most ``max_output_ratio``
-times the step's noisy gradient norm (all records together; default 1000, ``None`` disables the bound).
-Anything else — an exception (any ``BaseException`` but ``KeyboardInterrupt``), a non-sequence such as
-``True``, a generator that raises, a wrong length — goes through the same error policy:
+what comes back (:mod:`~opacus_spectral.validation`), metadata first, before reading any value: ``None``
+(edited in place) or one tensor (or ``None``) per record, each a plain dense (``torch.strided``) tensor with the
+step's shape, dtype and device and storage that holds it, finite where the input was finite, and with a norm of
+at most ``max_output_ratio`` (default 1000; ``None`` disables the bound) times that tensor's own reference
+``max(‖g̃_i‖, s·√numel_i)`` — its noisy gradient norm before any denoiser, or the expected norm of its noise if
+that is larger (also for tensors whose noisy gradient is non-finite, under ``on_nonfinite_grad="ignore"``).
+Anything else — a sparse or nested tensor, a tensor subclass, freed storage, an exception (any ``BaseException``
+but ``KeyboardInterrupt``), a non-sequence such as ``True``, a generator that raises, a wrong length — goes
+through the same error policy:
 
 * ``on_error="raise"`` (default): :class:`DenoiserError` naming the denoiser and the parameter; the step is
   aborted and the caller clears the affected ``p.grad``, so no weight moves and no partial in-place edit
@@ -19,11 +23,13 @@ Before any denoiser runs, non-finite noisy gradients (NaN/Inf, e.g. from a poiso
 moves this step; warned once, counted in ``diagnostics.nonfinite_steps``) or ``"ignore"`` (Opacus' own
 behaviour: they reach the optimizer). Privacy is spent either way — the accountant already counted the step.
 The same fused per-tensor norms serve the finiteness check and the norm bound: one host sync per denoiser.
+
+A denoiser that needs isotropic noise (``needs_isotropic_noise``, e.g. ``rmt``) placed after a callable that
+declares no output noise would skip those records every step; the pipeline warns once about it, naming both.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import Counter, deque
@@ -34,13 +40,15 @@ from typing import Any, Literal
 import torch
 
 from .denoiser import DenoiserProtocol, denoiser_name
+from .noise_state import NoiseState
 from .parameters import ParamInfo
-from .records import NOISE_COLORED, NOISE_ISOTROPIC, NOISE_UNKNOWN, NoisyGradient
+from .records import NoisyGradient
+from .validation import TensorSpec, output_bounds, output_problem
 
 OnError = Literal["raise", "fallback"]
 OnNonFinite = Literal["raise", "skip_step", "ignore"]
 
-#: default bound on a denoiser's output norm, in units of the step's noisy gradient norm
+#: default bound on a denoiser's output norm, per tensor, in units of max(its noisy gradient norm, its noise norm)
 DEFAULT_MAX_OUTPUT_RATIO = 1e3
 
 
@@ -197,45 +205,33 @@ class PostNoisePipeline:
         self.last_step = None
         diag = StepDiagnostics(step=self.step, sigma=sigma, n_tensors=len(grads))
         current = [g.detach() for g in grads]
+        specs = [TensorSpec.of(t) for t in current]  # what every denoiser's outputs must match
         checked = bool(current) and (bool(self.denoisers) or self.on_nonfinite_grad != "ignore")
         in_finite = torch.isfinite(_norms(current, float("inf"))) if checked else None
         if in_finite is not None and self.on_nonfinite_grad != "ignore" and not bool(in_finite.all()):  # one sync
             return self._nonfinite(diag, infos, in_finite, t_start)
-        bound = self._bound(current, in_finite) if self.denoisers and in_finite is not None else None
+        checks = None
+        if self.denoisers and in_finite is not None:
+            checks = (in_finite, self._bound(current, in_finite, sigma))
         noisy_ref = [g.clone() for g in current] if self.oracle else None
-        sigmas = [float(sigma)] * len(current)  # the noise each record carries, as the denoisers declare it
-        kinds = [NOISE_ISOTROPIC] * len(current)
+        noise = NoiseState(len(current), sigma)  # the noise each record carries, as the denoisers declare it
         for d, dname in zip(self.denoisers, self.names, strict=True):
             t0 = time.perf_counter()
+            if getattr(d, "needs_isotropic_noise", False) and ("", "switch-off") not in self._warned:
+                self._warn_once("", "switch-off", noise.switch_off(d, dname, infos))
             inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
-            records = [
-                NoisyGradient(name=i.name, role=i.role, tensor=t, sigma=s, step=self.step, layer=i.layer, noise=k)
-                for i, t, s, k in zip(infos, inputs, sigmas, kinds, strict=True)
-            ]
+            records = noise.records(infos, inputs, self.step)
             self.diagnostics.calls[dname] += 1
             entry: dict[str, Any] = {"fallbacks": 0}
-            try:
-                outs = self._outputs(dname, records, d(records))
-            except DenoiserError:
-                raise
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - every denoiser failure goes through the policy
-                self.diagnostics.errors[dname] += 1
-                self._bad(dname, None, f"raised {type(exc).__name__}: {exc}", exc)
-                outs = None
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-            if outs is None:  # fallback for the whole denoiser
+            new = self._apply(d, dname, records, current, specs, checks, infos, entry)
+            if new is None:  # fallback for the whole denoiser
                 entry["fallbacks"] = len(current)
                 diag.denoisers[dname] = entry
                 continue
-            new = self._validate(dname, records, outs, current)
-            if in_finite is not None and bound is not None:
-                self._check_values(dname, new, current, in_finite, bound, infos)
             kept = [a is b for a, b in zip(new, current, strict=True)]  # fallback: the input was kept
             n_fb = sum(kept) if self.on_error == "fallback" else 0
             entry["fallbacks"] = n_fb
-            self._propagate_noise(d, dname, records, kept, sigmas, kinds)
+            self._warn_once(dname, "declare", noise.apply(d, dname, records, kept))
             current = new
             entry["seconds"] = time.perf_counter() - t0
             extra = getattr(d, "diagnostics", None)
@@ -247,43 +243,36 @@ class PostNoisePipeline:
         self._finish(diag, t_start)
         return current
 
-    def _propagate_noise(
+    def _apply(
         self,
         d: DenoiserProtocol,
         dname: str,
         records: Sequence[NoisyGradient],
-        kept: Sequence[bool],
-        sigmas: list[float],
-        kinds: list[str],
-    ) -> None:
-        """Apply the denoiser's :meth:`~opacus_spectral.Denoiser.output_noise` declaration to the noise state
-        (a gain scales the std of isotropic noise; ``"colored"`` / ``"unknown"`` change the kind)."""
-        declare = getattr(d, "output_noise", None)
-        raw: Any = "unknown"
-        if declare is not None:
-            try:
-                raw = declare(records)
-            except Exception as exc:  # noqa: BLE001 - a broken declaration only costs the noise knowledge
-                self._warn_once(dname, "declare", f"denoiser {dname!r}: output_noise raised {exc!r}; noise unknown")
-        if isinstance(raw, (str, int, float)):
-            values: Sequence[Any] = [raw] * len(records)
-        elif isinstance(raw, Sequence) and len(raw) == len(records):
-            values = raw
-        else:
-            self._warn_once(dname, "declare", f"denoiser {dname!r}: output_noise returned {raw!r}; noise unknown")
-            values = ["unknown"] * len(records)
-        for i, v in enumerate(values):
-            if kept[i]:
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
-                sigmas[i] *= float(v)  # kinds other than isotropic stay as they are
-            elif v == NOISE_COLORED and kinds[i] == NOISE_ISOTROPIC:
-                kinds[i] = NOISE_COLORED
-            elif v != NOISE_COLORED:
-                kinds[i] = NOISE_UNKNOWN
+        current: list[torch.Tensor],
+        specs: Sequence[TensorSpec],
+        checks: tuple[torch.Tensor, torch.Tensor] | None,
+        infos: Sequence[ParamInfo],
+        entry: dict[str, Any],
+    ) -> list[torch.Tensor] | None:
+        """Call ``d`` and validate what it returns; ``None`` when the whole denoiser falls back."""
+        try:
+            outs = self._outputs(dname, records, d(records))
+            if outs is None:
+                return None
+            new = self._validate(dname, records, outs, current, specs)
+            if checks is not None:
+                self._check_values(dname, new, current, *checks, infos)
+            return new
+        except (DenoiserError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every denoiser failure goes through the policy
+            self.diagnostics.errors[dname] += 1
+            self._bad(dname, None, f"raised {type(exc).__name__}: {exc}", exc)
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            return None
 
     def _warn_once(self, dname: str, key: str, msg: str) -> None:
-        if (dname, key) not in self._warned:
+        if msg and (dname, key) not in self._warned:
             self._warned.add((dname, key))
             warnings.warn(msg, RuntimeWarning, stacklevel=5)
 
@@ -313,15 +302,10 @@ class PostNoisePipeline:
         self._finish(diag, t_start)
         return None
 
-    def _bound(self, current: Sequence[torch.Tensor], in_finite: torch.Tensor) -> torch.Tensor:
-        """Largest admissible output norm per tensor: ``max_output_ratio`` × the step's noisy gradient norm
-        (finite tensors only); infinite when the bound is off or the gradient is exactly zero."""
-        if self.max_output_ratio is None:
-            return torch.full_like(in_finite, float("inf"), dtype=torch.float32)
-        norms = torch.where(in_finite, _norms(current, 2.0), 0.0)
-        total = norms.double().pow(2).sum().sqrt().float()
-        bound = torch.where(total > 0, total * self.max_output_ratio, float("inf"))
-        return bound.expand(len(current))
+    def _bound(self, current: Sequence[torch.Tensor], in_finite: torch.Tensor, sigma: float) -> torch.Tensor:
+        """Largest admissible output norm per tensor (:func:`~opacus_spectral.validation.output_bounds`)."""
+        norms = _norms(current, 2.0) if self.max_output_ratio is not None else in_finite.float()
+        return output_bounds(norms, in_finite, [t.numel() for t in current], sigma, self.max_output_ratio)
 
     def _outputs(self, dname: str, records: Sequence[NoisyGradient], result: Any) -> list[Any] | None:
         """One output per record (``None`` entries keep the record's tensor); ``None`` if unusable (fallback)."""
@@ -343,18 +327,12 @@ class PostNoisePipeline:
         records: Sequence[NoisyGradient],
         outs: Sequence[Any],
         current: list[torch.Tensor],
+        specs: Sequence[TensorSpec],
     ) -> list[torch.Tensor]:
+        """Metadata checks (:func:`~opacus_spectral.validation.output_problem`) before any value is read."""
         new: list[torch.Tensor] = []
-        for o, ref, r in zip(outs, current, records, strict=False):
-            problem = None
-            if not isinstance(o, torch.Tensor):
-                problem = f"returned {type(o).__name__} instead of a tensor"
-            elif o.shape != ref.shape:
-                problem = f"changed the shape {tuple(ref.shape)} -> {tuple(o.shape)}"
-            elif o.dtype != ref.dtype:
-                problem = f"changed the dtype {ref.dtype} -> {o.dtype}"
-            elif o.device != ref.device:
-                problem = f"moved the gradient from {ref.device} to {o.device}"
+        for o, ref, r, spec in zip(outs, current, records, specs, strict=True):
+            problem = output_problem(o, spec)
             if problem is not None:
                 self._bad(dname, r.name, problem)
                 new.append(ref)
@@ -371,21 +349,24 @@ class PostNoisePipeline:
         bound: torch.Tensor,
         infos: Sequence[ParamInfo],
     ) -> None:
-        """Non-finite outputs of finite inputs, and outputs above the norm bound, fall under the policy."""
+        """Non-finite outputs of finite inputs, and finite outputs above their tensor's norm bound (also where the
+        input was non-finite, under ``on_nonfinite_grad="ignore"``), fall under the policy."""
         if not new:
             return
         out_finite = torch.isfinite(_norms(new, float("inf")))
         out_norm = _norms(new, 2.0)
-        bad = in_finite & ~(out_finite & (out_norm <= bound))
+        bad = (in_finite & ~out_finite) | (out_finite & (out_norm > bound))
         if bool(bad.any()):  # one host-device sync per denoiser and step
             for i in bad.nonzero().flatten().tolist():
                 if not bool(out_finite[i]):
                     problem = "produced non-finite values from a finite gradient"
                 else:
+                    ratio = float(self.max_output_ratio or 1)
                     problem = (
-                        f"produced an output of norm {float(out_norm[i]):.3g}, more than max_output_ratio="
-                        f"{self.max_output_ratio:g} x the step's noisy gradient norm "
-                        f"{float(bound[i]) / float(self.max_output_ratio or 1):.3g}"
+                        f"produced an output of norm {float(out_norm[i]):.3g}"
+                        f"{'' if bool(in_finite[i]) else ' from a non-finite gradient'}, more than max_output_ratio="
+                        f"{ratio:g} x {float(bound[i]) / ratio:.3g}, this tensor's max(noisy gradient norm, "
+                        "expected noise norm sigma*sqrt(numel))"
                     )
                 self._bad(dname, infos[i].name, problem)
                 new[i] = current[i]

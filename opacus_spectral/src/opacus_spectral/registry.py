@@ -9,6 +9,8 @@ does not end the host.
 A hook implementation whose name matches no hookspec (a typo such as ``opacus_spectral_denoiser``) is
 reported as a load error (pluggy's ``check_pending`` rule, per plugin); answers of the wrong shape (a role
 that is not a string or a ``(role, layer)`` pair) drop that plugin's answer, with a load error.
+A factory that raises (or returns something that is not callable) when ``post_hooks`` is built gives a
+:class:`DenoiserBuildError` naming the denoiser, its plugin and distribution, chained to the factory's error.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ DenoiserSpec = str | tuple[str, Mapping[str, Any]] | DenoiserProtocol
 
 #: Deprecated alias of :data:`DenoiserSpec` (the old name suggested a pluggy hookspec, which it is not).
 HookSpec = DenoiserSpec
+
+
+class DenoiserBuildError(ValueError):
+    """Building a named denoiser of ``post_hooks`` failed; names the denoiser, plugin and distribution.
+
+    The factory's own exception is the ``__cause__``. A ``ValueError``: the ``post_hooks`` item cannot be built.
+    """
 
 
 @dataclass(frozen=True)
@@ -203,15 +212,7 @@ class Registry:
             if broken:
                 hint = f"; plugins that failed to load: {', '.join(sorted(set(broken)))}"
             raise ValueError(f"unknown denoiser {name!r}; available: {known}{hint}")
-        info = table[name]
-        try:
-            return info.factory(**kwargs)
-        except (Exception, KeyboardInterrupt):
-            raise  # the factory's own error about the user's kwargs (e.g. ValueError: kappa must be ...)
-        except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin's factory must not end the host
-            raise RuntimeError(
-                f"building denoiser {name!r} (plugin {info.plugin!r}) raised {type(exc).__name__}: {exc}"
-            ) from exc
+        return _build(table[name], kwargs)
 
     # -- roles -----------------------------------------------------------------------------------------
     def roles(self, module: nn.Module) -> dict[str, ParameterRole]:
@@ -259,6 +260,21 @@ def _parse_roles(answer: Any) -> dict[str, ParameterRole]:
             raise TypeError(f"bad role entry {pname!r}: {role!r} (expected a role string or a (role, layer) pair)")
         out[pname] = ParameterRole(*role)
     return out
+
+
+def _build(info: DenoiserInfo, kwargs: Mapping[str, Any]) -> DenoiserProtocol:
+    """``info.factory(**kwargs)``; any failure (``sys.exit()`` too) as a :class:`DenoiserBuildError`."""
+    src = f"plugin {info.plugin!r}" + (f", distribution {info.distribution!r}" if info.distribution else "")
+    where = f"building denoiser {info.name!r} ({src}) with {dict(kwargs)!r}"
+    try:
+        denoiser = info.factory(**kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin's factory must not end the host
+        raise DenoiserBuildError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if not callable(denoiser) or isinstance(denoiser, type):
+        raise DenoiserBuildError(f"{where} returned {denoiser!r}, not a denoiser (a callable on the records)")
+    return denoiser
 
 
 _default: Registry | None = None

@@ -116,6 +116,7 @@ class RMTDenoiser(Denoiser):
     """
 
     name = "rmt"
+    needs_isotropic_noise = True  # the pipeline warns once if an undeclared callable before it switches it off
 
     def __init__(
         self,

@@ -3,6 +3,7 @@ that stops training there and checks that the accountant counted every optimizer
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -11,7 +12,12 @@ from transformers import TrainerCallback
 
 from .doctor import accounted_steps
 
-__all__ = ["DPControl", "budget_steps", "epsilon_after"]
+__all__ = ["DPControl", "budget_steps", "epsilon_after", "spends_infinite_epsilon"]
+
+
+def spends_infinite_epsilon(accountant: Any) -> bool:
+    """Whether the accountant's history holds a step of σ = 0 (no noise): ε is then infinite at every δ < 1."""
+    return any(float(sigma) == 0 and rate > 0 and steps > 0 for sigma, rate, steps in accountant.history)
 
 
 def epsilon_after(accountant: Any, more: int, *, noise_multiplier: float, sample_rate: float, delta: float) -> float:
@@ -20,6 +26,8 @@ def epsilon_after(accountant: Any, more: int, *, noise_multiplier: float, sample
     acc.history = list(accountant.history)
     if more > 0:
         acc.history.append((noise_multiplier, sample_rate, more))
+    if spends_infinite_epsilon(acc):
+        return math.inf
     return float(acc.get_epsilon(delta)) if acc.history else 0.0
 
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from torch.utils.data import IterableDataset
+from transformers import Trainer
+from transformers.trainer_utils import has_length
+
 from .trainer_distributed import EVALUATION, unsupported_parallelism
 
-__all__ = ["MODES", "check_supported"]
+__all__ = ["MODES", "check_run_length", "check_supported", "check_train_dataset", "loss_refusal"]
 
 MODES = ("hooks", "functorch", "ghost")
 
@@ -25,6 +29,12 @@ def check_supported(t: Any) -> None:
         raise ValueError("give target_epsilon (σ is calibrated from it) or noise_multiplier")
     if t.target_epsilon is not None and not t.target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {t.target_epsilon}")
+    if t.target_epsilon is not None and t.noise_multiplier == 0:
+        raise ValueError("noise_multiplier=0 spends epsilon = inf at the first step, so no target_epsilon can hold: "
+                         "drop target_epsilon for a non-private reference run, or give a noise_multiplier > 0")
+    check_run_length(a.max_steps, a.num_train_epochs)
+    if t.train_dataset is not None:
+        check_train_dataset(t.train_dataset)
     if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm > 0):
         raise ValueError(
             f"max_grad_norm (the per-example clipping bound C) must be finite and > 0, got {t.max_grad_norm}: "
@@ -59,10 +69,53 @@ def check_supported(t: Any) -> None:
          "from bfloat16 activations and the clipped gradient in a second bfloat16 backward, so a clipped example can "
          "exceed max_grad_norm (opacus_spectral.trainer_precision). Use grad_sample_mode='hooks' or float32."),
         (t.task in ("causal_lm", "token_classification") and bool(t.criterion or t.compute_loss_func
-         or a.label_smoothing_factor), f"criterion, compute_loss_func or label_smoothing_factor for task="
-         f"{t.task!r}: DPTrainer computes each example's own token mean (opacus_spectral.trainer_loss) and "
-         "would ignore them. Remove them."),
+         or a.label_smoothing_factor or _overrides_compute_loss(t)), "criterion, compute_loss_func, "
+         f"label_smoothing_factor or an overridden compute_loss for task={t.task!r}: DPTrainer computes each "
+         "example's own token mean (opacus_spectral.trainer_loss) and would ignore them. Remove them."),
     ]
+    ghost_loss = loss_refusal(t)
+    refusals.append((ghost_loss is not None, ghost_loss))
     for bad, why in refusals:
         if bad:
             raise ValueError(f"DPTrainer cannot train with {why}")
+
+
+def _overrides_compute_loss(t: Any) -> bool:
+    return type(t).compute_loss is not Trainer.compute_loss
+
+
+def loss_refusal(t: Any) -> str | None:
+    """Why ghost clipping of a sequence-classification loss cannot honour this set-up, or None. Ghost clipping needs
+    each example's loss as a vector (``criterion`` on the logits); the Trainer's ``compute_loss`` returns the batch's
+    scalar, so an override or ``compute_loss_func`` would be bypassed (hooks / functorch call them)."""
+    if t.grad_sample_mode != "ghost" or t.task in ("causal_lm", "token_classification"):
+        return None
+    if _overrides_compute_loss(t) or t.compute_loss_func is not None:
+        what = f"an overridden {type(t).__name__}.compute_loss" if _overrides_compute_loss(t) else "compute_loss_func"
+        return (f"{what} under ghost clipping: ghost clipping needs each example's loss, which DPTrainer computes "
+                "with criterion= on the logits, so it would bypass it. Pass criterion= (a per-example loss with a "
+                "'reduction' attribute), or use grad_sample_mode='hooks'.")  # fmt: skip
+    if t.criterion is not None and t.args.label_smoothing_factor:
+        return ("label_smoothing_factor with a criterion under ghost clipping: DPTrainer applies label smoothing "
+                "only to its default criterion; smooth in your criterion (e.g. nn.CrossEntropyLoss(label_smoothing=.."
+                ")) and drop label_smoothing_factor.")  # fmt: skip
+    return None
+
+
+def check_run_length(max_steps: int, num_train_epochs: float) -> None:
+    """Refuse a run of zero optimizer steps (``max_steps=0``, or ``num_train_epochs=0`` without ``max_steps``)."""
+    if max_steps == 0 or (max_steps < 0 and num_train_epochs <= 0):
+        raise ValueError(
+            f"DPTrainer cannot train with max_steps={max_steps}, num_train_epochs={num_train_epochs}: a run of 0 "
+            "steps (σ is calibrated and the budget checked for the run's steps, while transformers would still take "
+            "one). Set max_steps >= 1, or max_steps=-1 and num_train_epochs > 0."
+        )
+
+
+def check_train_dataset(dataset: Any) -> None:
+    """Refuse a training set without a length (Poisson sampling draws from all of it) or without examples."""
+    if isinstance(dataset, IterableDataset) or not has_length(dataset):
+        raise ValueError("DPTrainer needs a dataset with a length: Poisson sampling draws from all of it")
+    if len(dataset) == 0:
+        raise ValueError("DPTrainer cannot train on an empty train_dataset (0 examples): Poisson sampling needs at "
+                         "least one record to draw from; check the dataset's split and filters")  # fmt: skip

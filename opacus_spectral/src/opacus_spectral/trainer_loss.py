@@ -25,8 +25,8 @@ from torch import nn
 
 from .losses import IGNORE_INDEX, next_token_targets, per_sequence_loss
 
-__all__ = ["TASKS", "example_losses", "next_token_loss_sum", "opacus_loss", "resolve_task", "task_of_batch",
-           "token_example_loss"]
+__all__ = ["TASKS", "example_losses", "ghost_criterion", "next_token_loss_sum", "opacus_loss", "resolve_task",
+           "task_of_batch", "token_example_loss"]
 
 TASKS = ("causal_lm", "token_classification", "sequence_classification")
 _PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "TOKEN_CLS": "token_classification", "SEQ_CLS": "sequence_classification"}
@@ -122,6 +122,12 @@ def next_token_loss_sum(
     total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
     return total.double(), int((targets != IGNORE_INDEX).sum())
+
+
+def ghost_criterion(label_smoother: Any = None) -> nn.Module:
+    """Ghost clipping's default per-example loss: cross-entropy, label-smoothed as the Trainer's ``LabelSmoother``
+    (``TrainingArguments.label_smoothing_factor``) smooths the model's loss under hooks / functorch."""
+    return nn.CrossEntropyLoss(label_smoothing=float(getattr(label_smoother, "epsilon", 0.0)))
 
 
 def opacus_loss(losses: torch.Tensor, *, loss_reduction: str, ghost_criterion: Any = None) -> Any:

@@ -22,6 +22,7 @@ Opacus, ``opacus_spectral.set_trainable`` also drops its per-sample state; ``doc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -35,6 +36,9 @@ from .factors import LoraFactor, find_lora_factors
 Phase = Literal["A", "B", "AB"]
 
 _STATE_KEYS = ("mode", "first_factor", "step", "round", "round_started", "total_steps")
+
+#: the controller attached to each optimizer (the inner one of a DPOptimizer) or Trainer: one at most
+_ATTACHED: weakref.WeakKeyDictionary[Any, AlternationController] = weakref.WeakKeyDictionary()
 
 
 def phase_at(mode: AlternationMode, first_factor: Factor, step: int, round_index: int) -> Phase:
@@ -93,8 +97,9 @@ class AlternationController:
         adapter_name: which adapter; default: the active adapter(s).
 
     Raises:
-        ValueError: unknown mode/factor, no LoRA factors, factors missing from the optimizer, or an Opacus
-            per-layer clipping optimizer with a mode that freezes factors.
+        ValueError: unknown mode/factor, no LoRA factors, factors missing from the optimizer, an Opacus
+            per-layer clipping optimizer with a mode that freezes factors, or an optimizer (Trainer) that already
+            has a controller (``remove()`` that one first).
         ImportError: a DPOptimizer without opacus-spectral installed.
     """
 
@@ -122,6 +127,7 @@ class AlternationController:
         self.total_steps = 0  #: optimizer steps counted since construction (across rounds)
         self._handle: Any = None
         self._callback: LALoraTrainerCallback | None = None
+        self._owner: weakref.ref[Any] | None = None  #: the optimizer / Trainer this controller is attached to
         self._set_trainable: Callable[[Sequence[nn.Parameter], bool], None] = self._plain_set_trainable
         self._attach(optimizer)
 
@@ -166,6 +172,7 @@ class AlternationController:
         if _is_trainer(optimizer):
             # The Trainer builds its optimizer in train(), from the params trainable *then*: keep both factors
             # trainable now and apply the phase at on_train_begin.
+            self._claim(optimizer, "Trainer")
             self._callback = LALoraTrainerCallback(self)
             optimizer.add_callback(self._callback)
             return
@@ -183,24 +190,39 @@ class AlternationController:
                     "wrong once a factor is frozen. Use clipping='flat' (or alternation='none')."
                 )
             self._set_trainable = _dp_set_trainable()
-            self._check_trainable_at_wrap_time()
             inner = optimizer.original_optimizer  # virtual (BatchMemoryManager) steps never call its step()
+            self._check_trainable_at_wrap_time(inner)
         else:
             inner = optimizer
+        self._claim(inner, "optimizer")
         self._handle = inner.register_step_post_hook(self._on_optimizer_step)
         self._apply_phase()
 
-    def _check_trainable_at_wrap_time(self) -> None:
+    def _claim(self, owner: Any, what: str) -> None:
+        """Register as ``owner``'s controller; refuse a second one (both would count steps, and whichever
+        applied its phase last would silently decide which factor trains)."""
+        other = _ATTACHED.get(owner)
+        if other is not None:
+            raise ValueError(
+                f"this {what} already has an AlternationController ({other!r}); two would both count its steps and "
+                "the last one would silently decide the phase: call .remove() on the first one before creating another"
+            )
+        _ATTACHED[owner] = self
+        self._owner = weakref.ref(owner)
+
+    def _check_trainable_at_wrap_time(self, inner: torch.optim.Optimizer) -> None:
         """Under DP, every factor the schedule will train must still be trainable now: Opacus only hooks
         parameters trainable at ``make_private`` time, so a factor frozen before it can never get a
         per-sample gradient later."""
         ever = "B" if self.mode == "freeze_a" else "AB"
         frozen = [f.name for f in self.factors if f.factor in ever and not f.param.requires_grad]
         if frozen:
+            other = _ATTACHED.get(inner)
+            hint = f" (the optimizer already has {other!r}: call .remove() on it first)" if other is not None else ""
             raise ValueError(
                 f"{len(frozen)} LoRA factor(s) the {self.mode!r} schedule trains are frozen (e.g. {frozen[0]!r}). Both "
                 "factors must be trainable when make_private is called; create the AlternationController after "
-                "make_private and do not freeze factors yourself."
+                "make_private and do not freeze factors yourself." + hint
             )
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -260,7 +282,12 @@ class AlternationController:
                 p.grad = None
 
     def remove(self, *, unfreeze: bool = True) -> None:
-        """Detach from the optimizer; with ``unfreeze`` make both factors trainable again."""
+        """Detach from the optimizer (a new controller may then be attached to it); with ``unfreeze`` make both
+        factors trainable again."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and _ATTACHED.get(owner) is self:
+            del _ATTACHED[owner]
+        self._owner = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

@@ -1,7 +1,12 @@
 """Demo: DP-LoRA vs DP-LoRA + RMT spectral denoising, all-MiniLM-L6-v2 on Rotten Tomatoes, at a fixed epsilon.
 
     dp-bench demo                                   # the real model and data (the README's main job)
-    dp-bench demo --model tiny --steps 2 --out /tmp/demo   # 10-second smoke run
+    dp-bench demo --model tiny --steps 2 --out /tmp/demo   # half-minute smoke run
+    dp-bench demo --replot                          # table + accuracy plot of the committed docs/results/demo.json
+    dp-bench demo --refresh-evidence                # rerun and rewrite the committed docs/results/demo*
+
+Output folder: ``--out``, else a new ``./dp-bench-demo-<UTC time>/``; the committed evidence in docs/results is
+rewritten only with ``--refresh-evidence``.
 
 Protocol (documented in docs/demo.md):
 
@@ -16,7 +21,9 @@ Protocol (documented in docs/demo.md):
   accountant) so that ``--steps`` logical steps of logical batch ``--batch-size`` reach exactly ``--epsilon``
   at ``--delta``; physical batches via BatchMemoryManager. Every training step is private. Denoising is
   post-processing and does not change epsilon.
-* Both arms share the seed: same LoRA initialization, the same Poisson batches and the same noise draws
+* Arms: Opacus alone (``dp-lora``), then one arm per ``--arms`` entry (default: the default ``rmt``, and
+  ``rmt_paper`` = paper A's setting, which docs/denoisers.md advises against; shown for the mechanism).
+* Every arm shares the seed: same LoRA initialization, the same Poisson batches and the same noise draws
   (common random numbers), so the difference between them is the denoiser.
 * Oracle diagnostics (benchmark only): per step, cosine of the noisy and of the denoised gradient to the
   clean clipped gradient.
@@ -66,15 +73,61 @@ class Config:
     eval_every: int = opt(10, "evaluate every N steps")
     eval_batch: int = opt(512, "evaluation batch size")
     seed: int = opt(0, "seed")
-    hooks: list[str] = opt(["rmt_paper"], "post_hooks of the second arm (default: paper A's rmt setting)")
+    arms: list[str] = opt(["rmt", "rmt_paper"], "one arm per entry beside Opacus alone: its post_hooks, '+'-joined")
+    hooks: list[str] = opt([], "post_hooks of one denoised arm (replaces --arms; kept for older command lines)")
     tiny_train: int = opt(512, "--model tiny: synthetic train size")
     tiny_test: int = opt(256, "--model tiny: synthetic test size")
-    out: Path = opt(RESULTS, "output folder")
+    out: Path | None = opt(None, "output folder (default: a new ./dp-bench-demo-<UTC time>/)", type=Path)
+    refresh_evidence: bool = opt(False, "write to docs/results: rewrite the committed demo evidence")
+    replot: bool = opt(False, "only print the table and redraw the accuracy plot of <out or docs/results>/demo.json")
     threads: int = opt(0, "torch threads (0: torch's choice)")
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.physical_batch < 1:
             raise ValueError("--steps, --batch-size and --physical-batch must be >= 1")
+        here = None if self.out is None else self.out.resolve()
+        if self.refresh_evidence and here not in (None, RESULTS.resolve()):
+            raise ValueError("--refresh-evidence writes the committed evidence in docs/results: drop --out")
+        if here == RESULTS.resolve() and not self.refresh_evidence:
+            raise ValueError("--out docs/results would overwrite the committed evidence: pass --refresh-evidence")
+
+    def denoised_arms(self) -> list[list[str]]:
+        """The post_hooks of each denoised arm."""
+        return [list(self.hooks)] if self.hooks else [a.split("+") for a in self.arms]
+
+
+#: what the demo's table and plot say beside an arm (docs/denoisers.md advises against rmt_paper)
+NOTES = {"rmt_paper": "paper A's setting", "rmt": "default"}
+LEGACY_NOTE = "rmt before its defaults changed = rmt_paper, paper A's setting"
+
+
+def arm_label(hooks: Sequence[Any]) -> str:
+    names = [h if isinstance(h, str) else getattr(h, "name", type(h).__name__) for h in hooks]
+    return "dp-lora" if not names else "dp-lora+" + "+".join(names)
+
+
+def arm_note(hooks: Sequence[str]) -> str | None:
+    return NOTES.get(hooks[0]) if len(hooks) == 1 else None
+
+
+def fresh_folder(parent: Path | None = None) -> Path:
+    """A new ``dp-bench-demo-<UTC time>`` folder under ``parent`` (default: the working directory)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for i in range(1000):
+        path = (parent or Path.cwd()) / (f"dp-bench-demo-{stamp}" + (f"-{i}" if i else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free dp-bench-demo-{stamp}-<n> folder under {parent or Path.cwd()}")
+
+
+def output_folder(cfg: Config) -> Path:
+    """docs/results with ``--refresh-evidence``, else ``--out``, else a fresh folder (:func:`fresh_folder`)."""
+    if cfg.refresh_evidence:
+        return RESULTS
+    return cfg.out if cfg.out is not None else fresh_folder()
 
 
 class Recorder:
@@ -123,9 +176,11 @@ def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: 
         eval_batch=cfg.eval_batch, initial_accuracy=acc0, delta=cfg.delta, desc=f"{label:>12}",
         on_step=snapshot_clean,
     )  # fmt: skip
+    names = [h if isinstance(h, str) else getattr(h, "name", type(h).__name__) for h in hooks]
     return {
         "label": label,
-        "hooks": [h if isinstance(h, str) else getattr(h, "name", type(h).__name__) for h in hooks],
+        "hooks": names,
+        "note": arm_note(names),
         "accuracy": r["curve"][-1][1],
         "curve": r["curve"],
         "epsilon": r["epsilon"],
@@ -166,9 +221,11 @@ def summarize(arm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def table(rows: dict[str, dict[str, Any]], baseline_seconds: float) -> str:
+def table(rows: dict[str, dict[str, Any]], baseline_seconds: float, notes: dict[str, str | None] | None = None) -> str:
+    """The results table; ``notes``: what to say beside an arm (a footnote line each)."""
+    w = max(14, 2 + max(map(len, rows), default=0))
     head = (
-        f"{'arm':<14}{'test acc':>9}{'eps':>7}{'steps':>7}{'to base':>8}{'train s':>9}{'overhead':>10}"
+        f"{'arm':<{w}}{'test acc':>9}{'eps':>7}{'steps':>7}{'to base':>8}{'train s':>9}{'overhead':>10}"
         f"{'gated':>10}{'cos+':>9}{'cos noisy->den':>16}"
     )
     lines = [head, "-" * len(head)]
@@ -179,7 +236,7 @@ def table(rows: dict[str, dict[str, Any]], baseline_seconds: float) -> str:
         reach = s.get("steps_to_baseline_final_accuracy")
         pos = f"{s['changed_with_positive_cos_gain']}/{s['changed_matrix_steps']}" if s["changed_matrix_steps"] else "-"
         lines.append(
-            f"{label:<14}{s['accuracy']:>9.4f}{s['epsilon']:>7.2f}{s['steps']:>7d}{'-' if reach is None else reach:>8}"
+            f"{label:<{w}}{s['accuracy']:>9.4f}{s['epsilon']:>7.2f}{s['steps']:>7d}{'-' if reach is None else reach:>8}"
             f"{s['train_seconds']:>9.1f}{over:>9.2f}%{gated:>10}{pos:>9}{cos:>16}"
         )
     lines.append(
@@ -188,6 +245,7 @@ def table(rows: dict[str, dict[str, Any]], baseline_seconds: float) -> str:
         "changed with a higher oracle cosine to the clean gradient; cos: mean over steps of the global cosine "
         "(noisy -> denoised)."
     )
+    lines += [f"{label}: {note}" for label, note in (notes or {}).items() if note]
     return "\n".join(lines)
 
 
@@ -214,32 +272,37 @@ def pick_spectrum_param(arm: dict[str, Any], step: int) -> tuple[str | None, flo
     return best, gains.get(best)
 
 
-def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str) -> dict[str, str]:
+def plot_accuracy(arms: dict[str, dict[str, Any]], notes: dict[str, str | None], out: Path, title: str) -> Path:
+    """``<out>/demo_accuracy.png``: every arm's test accuracy curve, labelled with its note."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = {}
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, arm in arms.items():
         xs, ys = zip(*arm["curve"], strict=True)
-        ax.plot(xs, ys, marker="o", label=label)
+        ax.plot(xs, ys, marker="o", label=label + (f" ({notes[label]})" if notes.get(label) else ""))
     ax.set_xlabel("logical DP-SGD step")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"{what}: eps={cfg.epsilon}, B={cfg.batch_size}, {cfg.steps} steps", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     p = out / "demo_accuracy.png"
     fig.savefig(p, dpi=120)
     plt.close(fig)
-    paths["accuracy"] = str(p)
+    return p
 
-    rmt_label = next((lbl for lbl, a in arms.items() if a["hooks"]), None)
-    if rmt_label is None:
+
+def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str) -> dict[str, str]:
+    title = f"{what}: eps={cfg.epsilon}, B={cfg.batch_size}, {cfg.steps} steps"
+    paths = {"accuracy": str(plot_accuracy(arms, {k: a.get("note") for k, a in arms.items()}, out, title))}
+    denoised = [lbl for lbl, a in arms.items() if a["hooks"]]
+    if not denoised:
         return paths
-    arm = arms[rmt_label]
+    changed = {lbl: summarize(arms[lbl])["changed_matrix_steps"] for lbl in denoised}
+    arm = arms[max(denoised, key=changed.__getitem__)]  # the arm whose denoiser changed the most matrices
     step = max(arm["recorded"])
     name, gain = pick_spectrum_param(arm, step)
     if name is None:
@@ -287,20 +350,22 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
                       reinit_head=False)  # fmt: skip
     acc0 = evaluate(probe, task.test, task.input_names, cfg.eval_batch)["accuracy"]
     arms: dict[str, dict[str, Any]] = {}
-    for label, hooks in (("dp-lora", []), (f"dp-lora+{'+'.join(cfg.hooks)}", list(cfg.hooks))):
-        arms[label] = run_arm(label, hooks, task, nm, cfg, acc0)
+    for hooks in ([], *cfg.denoised_arms()):
+        arms[arm_label(hooks)] = run_arm(arm_label(hooks), hooks, task, nm, cfg, acc0)
     summaries = {label: summarize(a) for label, a in arms.items()}
     target = arms["dp-lora"]["accuracy"]
     for label, a in arms.items():
         summaries[label]["steps_to_baseline_final_accuracy"] = steps_to_reach(a["curve"], target)
     print()
-    print(table(summaries, arms["dp-lora"]["train_seconds"]))
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    plots = plot_all(arms, cfg.out, cfg, f"{info['model']} / {info['dataset'].split(' ')[0]}")
+    print(table(summaries, arms["dp-lora"]["train_seconds"], {k: a["note"] for k, a in arms.items()}))
+    out = output_folder(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_all(arms, out, cfg, f"{info['model']} / {info['dataset'].split(' ')[0]}")
     wall = time.perf_counter() - t0
     result = {
         "command": command_line("demo", argv),
         "config": as_json(cfg),
+        "out": str(out),
         "data": dict(info, train=n_train, test=n_test),
         "noise_multiplier": nm,
         "sample_rate": sample_rate,
@@ -315,12 +380,41 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "plots": plots,
         "arms": {label: {k: v for k, v in a.items() if k != "recorded"} for label, a in arms.items()},
     }  # fmt: skip
-    (cfg.out / "demo.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / "demo.json").write_text(json.dumps(result, indent=1, default=float))
     pngs = ", ".join(v for k, v in plots.items() if k in ("accuracy", "spectrum"))
     print(f"\nwall time {wall:.0f}s (CPU {result['cpu_seconds']:.0f}s, load average {load0[0]:.1f} at start); "
-          f"wrote {cfg.out / 'demo.json'} and {pngs}")  # fmt: skip
+          f"wrote {out / 'demo.json'} and {pngs}")  # fmt: skip
     return result
 
 
+def stored_notes(stored: dict[str, Any]) -> dict[str, str | None]:
+    """The note of each arm of a stored demo.json; one written before arms had notes ran paper A's setting as
+    ``"rmt"`` (docs/demo.md)."""
+    legacy = all("note" not in a for a in stored["arms"].values())
+    return {label: LEGACY_NOTE if legacy and a["hooks"] == ["rmt"] else a.get("note")
+            for label, a in stored["arms"].items()}  # fmt: skip
+
+
+def replot(cfg: Config) -> dict[str, Any]:
+    """The table and the accuracy plot of ``<out or docs/results>/demo.json`` (never rewritten), drawn into
+    ``--out``, docs/results (``--refresh-evidence``) or a fresh folder. Arms the JSON lacks are named."""
+    source = cfg.out if cfg.out is not None else RESULTS
+    stored = json.loads((source / "demo.json").read_text())
+    arms, notes = stored["arms"], stored_notes(stored)
+    print(table(stored["summary"], arms["dp-lora"]["train_seconds"], notes))
+    missing = [arm_label(h) for h in ([], *cfg.denoised_arms()) if arm_label(h) not in arms]
+    if missing:
+        print(f"not in {source / 'demo.json'} (rerun to add them): {', '.join(missing)}")
+    out = output_folder(cfg)
+    c, info = stored["config"], stored["data"]
+    title = f"{info['model']} / {info['dataset'].split(' ')[0]}: eps={c['epsilon']}, B={c['batch_size']}, " \
+            f"{c['steps']} steps"  # fmt: skip
+    png = plot_accuracy(arms, notes, out, title)
+    print(f"wrote {png}")
+    return {"source": str(source / "demo.json"), "out": str(out), "summary": stored["summary"], "notes": notes,
+            "missing": missing, "plots": {"accuracy": str(png)}}  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    return run(parse_config(Config, argv, prog="dp-bench demo", description=__doc__.split("\n")[0]), argv)
+    cfg = parse_config(Config, argv, prog="dp-bench demo", description=__doc__.split("\n")[0])
+    return replot(cfg) if cfg.replot else run(cfg, argv)

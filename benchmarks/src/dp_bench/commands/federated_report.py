@@ -4,7 +4,9 @@ Per ε, every comparison is paired over the evaluation seeds (within a seed all 
 initializations and the noise seeds): the mean difference with a 95 % t-interval
 (:func:`dp_bench.analysis.paired_ci`), on the final accuracy and on the mean of the last three rounds. At the
 paper's ε (1) each claim gets a verdict (:func:`dp_bench.analysis.verdict`): "reproduced" when every interval it
-rests on lies inside the claimed range, "contradicted" when one lies outside it, "inconclusive" otherwise.
+rests on lies inside the claimed range, "contradicted" when one lies outside it, "inconclusive" otherwise. Beside
+each interval: its paired t-test p-value Holm-adjusted within its family (one family per metric: every comparison
+at every ε of the grid, :func:`dp_bench.analysis.holm`); the verdicts stay CI-based.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis import mean_std, paired_ci, verdict
+from ..analysis import fmt_p, holm_family, mean_std, paired_ci, verdict
 from ..probe import GROUPS
 
 LABELS = {
@@ -111,6 +113,8 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
                 for claim, (keys, bound) in CLAIMS.items() if all(c in comparisons for c in keys)
             }  # fmt: skip
         out[f"{eps:g}"] = block
+    for k in METRICS:
+        holm_family([c[k] for block in out.values() for c in block["comparisons"].values()])
     return out
 
 
@@ -155,11 +159,13 @@ def tables(result: dict[str, Any]) -> str:
             lines.append(f"| {LABELS.get(m, m)} | {s['lr']:g} | {fin[0]:.3f} ± {fin[1]:.3f} | {l3[0]:.3f} ± "
                          f"{l3[1]:.3f} | {_eps(s)} | {s['seeds']} | {_share(s['grad_share']['init'])} | "
                          f"{_share(s['grad_share']['final'])} |")  # fmt: skip
-        lines += ["", "| paired difference (points, 95 % t-interval) | final accuracy | last-3-rounds accuracy |",
-                  "|---|---|---|"]  # fmt: skip
+        lines += ["", "| paired difference (points, 95 % t-interval) | final accuracy | Holm p | "
+                  "last-3-rounds accuracy | Holm p |", "|---|---|---|---|---|"]  # fmt: skip
         for key, c in block["comparisons"].items():
             a, b = COMPARISONS[key]
-            lines.append(f"| {LABELS[a]} − {LABELS[b]} (n={c['final']['n']}) | {_ci(c['final'])} | {_ci(c['last3'])} |")
+            fin, l3 = c["final"], c["last3"]
+            lines.append(f"| {LABELS[a]} − {LABELS[b]} (n={fin['n']}) | {_ci(fin)} | {fmt_p(fin)} | {_ci(l3)} | "
+                         f"{fmt_p(l3)} |")  # fmt: skip
         if block.get("verdicts"):
             lines += ["", "| claim (ε = 1) | verdict, final accuracy | verdict, last-3-rounds accuracy |",
                       "|---|---|---|"]  # fmt: skip

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..analysis import crossing_step, eps_at_accuracy, mean_std, paired_ci
+from ..analysis import crossing_step, eps_at_accuracy, fmt_p, holm, holm_family, mean_std, paired_ci
 
 BASELINE = "none"
 #: the non-spectral denoisers a spectral variant is compared with (issue target: beat the best of them)
@@ -77,8 +79,40 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             entry["epsilon_prv"] = float(np.mean([r["epsilon_prv"] for r in seeds.values()]))
             entry["epsilon_rdp"] = float(np.mean(eps_rdp))
         cells[f"{o}|B{b}|eps{e:g}|{m}"] = entry
-    eps_cells = _eps_to_target(by, cfg)
-    return {"cells": cells, "epsilon_to_target": eps_cells, "vs_best_peer": _vs_best_peer(by)}
+    out = {"cells": cells, "epsilon_to_target": _eps_to_target(by, cfg), "vs_best_peer": _vs_best_peer(by)}
+    for family in families(out).values():
+        holm_family(list(family.values()))
+    return out
+
+
+def families(an: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The grid's multiple-comparison families (name -> cell key -> paired interval), one per table column of
+    paired intervals: accuracy − none, fewer steps than none, ε saved vs none, spectral − best peer, each over every
+    optimizer, B and ε of the grid."""
+    cells = an["cells"].items()
+    return {
+        "accuracy_vs_none": {k: c["diff_vs_none"] for k, c in cells if "diff_vs_none" in c},
+        "fewer_steps": {k: c["steps_to_baseline"]["fewer_steps_fraction"] for k, c in cells
+                        if "steps_to_baseline" in c},  # fmt: skip
+        "epsilon_saved": {k: v["epsilon_saved"] for k, v in an["epsilon_to_target"].items()
+                          if k.split("|")[-1] != BASELINE},  # fmt: skip
+        "vs_best_peer": {k: v["diff"] for k, v in an["vs_best_peer"].items()},
+    }
+
+
+def pooled_holm(paths: Sequence[str | Path], family: str = "accuracy_vs_none") -> str:
+    """One family over several grids (e.g. every accuracy − none comparison of a docs section): a Markdown table
+    of each comparison with its raw paired t-test p, its Holm p within its grid and its Holm p over the pool."""
+    rows = []
+    for path in paths:
+        fam = families(analyze(json.loads(Path(path).read_text())))[family]
+        rows += [(Path(path).stem, key, ci) for key, ci in fam.items()]
+    pooled = holm([ci["p"] for _, _, ci in rows])
+    lines = [f"{family}: {sum(math.isfinite(p) for p in pooled)} comparisons pooled over {len(paths)} grids", "",
+             "| grid | cell | difference [95 % CI] | p | Holm p, grid | Holm p, pooled |", "|---|---|---|---|---|---|"]
+    for (grid, key, ci), adj in sorted(zip(rows, pooled, strict=True), key=lambda r: r[0][2]["p"]):
+        lines.append(f"| {grid} | {key} | {_fmt_ci(ci)} | {fmt_p(ci, 'p')} | {fmt_p(ci)} | {fmt_p({'p': adj}, 'p')} |")
+    return "\n".join(lines) + "\n"
 
 
 def _vs_best_peer(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -138,16 +172,19 @@ def _fmt_ci(ci: dict[str, Any], scale: float = 100.0, unit: str = "") -> str:
 
 
 def tables(result: dict[str, Any]) -> str:
+    """Markdown tables; every paired interval has its Holm-adjusted p-value within its family (:func:`families`)
+    beside it. Verdicts stay CI-based."""
     an = result.get("analysis") or analyze(result)
-    lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | steps to none's "
-             "final acc (never) | fewer steps than none, % [95 % CI] | cos(released, clean) 2nd half | "
-             "‖released‖/‖clean‖ | gated/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | Holm p | steps "
+             "to none's final acc (never) | fewer steps than none, % [95 % CI] | Holm p | cos(released, clean) 2nd "
+             "half | ‖released‖/‖clean‖ | gated/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in an["cells"].values():
         fin = c["final_test"]
         st = c.get("steps_to_baseline")
         steps = f"{st['mean']:.0f}/{st['budget']} ({st['never_reached']})" if st else "–"
         fewer = _fmt_ci(st.get("fewer_steps_fraction", {})) if st else "–"
+        fewer_p = fmt_p(st.get("fewer_steps_fraction")) if st else "–"
         cos = c.get("cos_released_clean_2nd_half")
         cos_txt = "–" if not cos else f"{cos[0]:.3f}"
         ratio = c.get("norm_ratio_released_clean_2nd_half")
@@ -156,26 +193,26 @@ def tables(result: dict[str, Any]) -> str:
         gated_txt = "–" if gated is None else f"{gated:.2f}"
         lines.append(
             f"| {c['optimizer']} | {c['batch']} | {c['epsilon']:g} | {c['method']} | {c['lr']:g} | "
-            f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | {steps} | {fewer} | "
-            f"{cos_txt} | {ratio_txt} | {gated_txt} |"
+            f"{100 * fin[0]:.2f} ± {100 * fin[1]:.2f} | {_fmt_ci(c.get('diff_vs_none', {}))} | "
+            f"{fmt_p(c.get('diff_vs_none'))} | {steps} | {fewer} | {fewer_p} | {cos_txt} | {ratio_txt} | {gated_txt} |"
         )
     lines += [
         "",
-        "| opt | B | method | target acc | ε needed (per seed) | ε saved vs none [95 % CI] |",
-        "|---|---|---|---|---|---|",
+        "| opt | B | method | target acc | ε needed (per seed) | ε saved vs none [95 % CI] | Holm p |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k, v in an["epsilon_to_target"].items():
         o, b, m = k.split("|")
         need = ", ".join("–" if x is None else f"{x:.2f}" for x in v["epsilon_needed"])
         lines.append(f"| {o} | {b[1:]} | {m} | {100 * v['target_accuracy']:.2f} | {need} | "
-                     f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} |")  # fmt: skip
+                     f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} | {fmt_p(v['epsilon_saved'])} |")  # fmt: skip
     peer = an.get("vs_best_peer") or {}
     if peer:
-        lines += ["", "| opt | B | ε | spectral method | best non-spectral peer | − peer, points [95 % CI] |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| opt | B | ε | spectral method | best non-spectral peer | − peer, points [95 % CI] | Holm p |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for k, v in peer.items():
             o, b, e, m = k.split("|")
-            lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} |")
+            lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} | {fmt_p(v['diff'])} |")
     return "\n".join(lines) + "\n"
 
 

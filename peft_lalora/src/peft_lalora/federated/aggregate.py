@@ -21,8 +21,10 @@ global state, over all tensors):
   update clipping of Flower's ``DifferentialPrivacyServerSideFixedClipping``) or dropped with its norm as the
   reason (``"reject"``);
 * ``rule="trimmed_mean"``: coordinate-wise trimmed mean (Flower's ``FedTrimmedAvg``; its ``trim_mean`` is used):
-  the ``trim_fraction`` largest and smallest values of every coordinate are discarded, the rest averaged
-  without weights — an outlier cannot move a coordinate beyond the honest clients' range;
+  the ``int(trim_fraction · m)`` largest and smallest values of every coordinate (``m`` valid updates) are
+  discarded, the rest averaged without weights — an outlier cannot move a coordinate beyond the honest
+  clients' range. A trimmed mean that would trim nothing (``int(trim_fraction · m) = 0``, e.g. the default 0.1
+  with fewer than 10 clients) is an error (:func:`trim_problem`), not a silent plain mean;
 * a result that overflows the state's dtype (e.g. clients sending 3e38) fails the round instead of becoming Inf.
 
 Weights are the caller's: a runner passes the example counts *it* assigned, never counts a client reports.
@@ -39,7 +41,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["AggregationError", "AggregationResult", "Rejection", "fedavg", "factor_of", "validate_update"]
+__all__ = [
+    "AggregationError",
+    "AggregationResult",
+    "Rejection",
+    "fedavg",
+    "factor_of",
+    "trim_problem",
+    "validate_update",
+]
 
 State = Mapping[str, torch.Tensor]
 
@@ -101,8 +111,9 @@ def _signature(state: State) -> Signature:
 def validate_update(state: Any, reference: Mapping[str, torch.Tensor], weight: float) -> str | None:
     """Reason why ``state`` cannot be averaged against ``reference`` (``None`` if it can).
 
-    Checks, in order: a mapping of tensors; the weight is finite and > 0; the same key set; per key the
-    same shape and dtype; every entry finite (one host sync for the whole update).
+    Checks, in order: a mapping of tensors; the weight is finite and > 0; the same key set; per key a dense
+    (not sparse), materialised (not meta) tensor of the same shape and dtype; every entry finite (one host
+    sync for the whole update).
     """
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         return "update is not a mapping of str -> torch.Tensor"
@@ -119,6 +130,10 @@ def validate_update(state: Any, reference: Mapping[str, torch.Tensor], weight: f
         return "; ".join(parts)
     for k, ref in reference.items():
         v = state[k]
+        if v.is_meta:
+            return f"tensor {k!r} is on the meta device (no data: an unmaterialised parameter was sent)"
+        if v.layout != torch.strided:
+            return f"tensor {k!r} has layout {v.layout}: only dense tensors are aggregated (send .to_dense())"
         if tuple(v.shape) != tuple(ref.shape):
             return f"shape mismatch for {k!r}: {tuple(v.shape)} != {tuple(ref.shape)}"
         if v.dtype != ref.dtype:
@@ -134,6 +149,27 @@ def validate_update(state: Any, reference: Mapping[str, torch.Tensor], weight: f
 
 RULES = ("mean", "trimmed_mean")
 NORM_POLICIES = ("clip", "reject")
+
+
+def trim_problem(trim_fraction: float, m: int) -> str | None:
+    """Why a trimmed mean of ``m`` updates at ``trim_fraction`` trims nothing (``None`` if it trims one or more
+    per end): the count Flower's ``trim_mean`` cuts is ``int(trim_fraction · m)``. Says how many clients, or
+    which trim fraction, it needs."""
+    if int(trim_fraction * m) >= 1:
+        return None
+    head = f"trimmed_mean with trim_fraction={trim_fraction:g} trims int({trim_fraction:g}·{m}) = 0 of {m} update(s)"
+    need_m = math.ceil(1 / trim_fraction) if trim_fraction > 0 else None
+    while need_m is not None and int(trim_fraction * need_m) < 1:
+        need_m += 1
+    fix = f"needs at least {need_m} clients per round" if need_m is not None else "trim_fraction must be > 0"
+    if m >= 3:
+        need_f = math.ceil(1e4 / m) / 1e4  # 1/m rounded up to 4 decimals (1/m·m itself can round below 1)
+        while int(need_f * m) < 1:
+            need_f = math.nextafter(need_f, 1.0)
+        fix += f", or trim_fraction >= {need_f:g}"
+    else:
+        fix += " (a trimmed mean needs at least 3 updates)"
+    return f"{head}: it would be a plain unweighted mean that one client moves at will; {fix}"
 
 
 def fedavg(
@@ -165,7 +201,8 @@ def fedavg(
             ``None``: no bound.
         update_norm_policy: ``"clip"`` (scale a longer update down to the bound) or ``"reject"`` (drop it).
         rule: ``"mean"`` (weighted FedAvg) or ``"trimmed_mean"`` (coordinate-wise, unweighted).
-        trim_fraction: share of clients trimmed at *each* end per coordinate, in [0, 0.5).
+        trim_fraction: share of clients trimmed at *each* end per coordinate, in [0, 0.5) (> 0 for
+            ``"trimmed_mean"``, which must trim at least one update per end).
 
     Returns:
         :class:`AggregationResult` with the new state and the rejections.
@@ -173,7 +210,8 @@ def fedavg(
     Raises:
         ValueError: bad arguments (lengths, ``min_clients < 1``, ``server_lr`` not finite/positive, η ≠ 1
             without ``global_state``, non-floating reference tensors, non-finite global state).
-        AggregationError: fewer than ``min_clients`` updates survive validation.
+        AggregationError: fewer than ``min_clients`` updates survive validation, or a trimmed mean of the
+            valid ones would trim nothing (:func:`trim_problem`).
     """
     n = len(states)
     if weights is not None and len(weights) != n:
@@ -197,6 +235,8 @@ def fedavg(
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if not (isinstance(trim_fraction, (int, float)) and 0.0 <= trim_fraction < 0.5):
         raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
+    if rule == "trimmed_mean" and trim_fraction == 0:
+        raise ValueError("rule='trimmed_mean' with trim_fraction=0 trims nothing: use rule='mean' or trim_fraction > 0")
     ids = list(client_ids) if client_ids is not None else list(range(n))
     w_in = (
         [1.0] * n
@@ -210,20 +250,22 @@ def fedavg(
         if bad_global is not None:
             raise ValueError(f"global_state is invalid: {bad_global}")
     else:
-        sigs = [
-            _signature(s)
+        usable = [  # a meta / sparse / non-finite update must not become the reference
+            s
             for s in states
             if isinstance(s, Mapping) and all(isinstance(v, torch.Tensor) for v in s.values())
+            and validate_update(s, s, 1.0) is None
         ]
+        sigs = [_signature(s) for s in usable]
         if not sigs:
             raise AggregationError(
-                f"no valid updates (need {min_clients}): none is a mapping of tensors",
-                [Rejection(i, ids[i], "update is not a mapping of str -> torch.Tensor") for i in range(n)],
+                f"no valid updates (need {min_clients}): none is a mapping of dense, finite tensors",
+                [Rejection(i, ids[i], validate_update(s, s, 1.0) or "empty update") for i, s in enumerate(states)],
             )
         counts = Counter(sigs)
         best = max(counts.values())
         winner = next(s for s in sigs if counts[s] == best)  # most common, first occurrence on ties
-        reference = next(s for s in states if isinstance(s, Mapping) and _signature(s) == winner)  # type: ignore[arg-type]
+        reference = next(s for s in usable if _signature(s) == winner)
     if not reference:
         raise ValueError("cannot aggregate empty adapter states")
     for k, v in reference.items():
@@ -270,6 +312,9 @@ def fedavg(
     total = math.fsum(w_in[i] for i in accepted)
     norm_w = [w_in[i] / total for i in accepted]
     if rule == "trimmed_mean":
+        problem = trim_problem(trim_fraction, len(accepted))
+        if problem is not None:
+            raise AggregationError(f"{len(accepted)} valid update(s) of {n}: {problem}", rejected)
         avg = _trimmed_mean(mat, trim_fraction)
         norm_w = [1.0 / len(accepted)] * len(accepted)
     else:

@@ -1,7 +1,8 @@
 """TLS certificates for a local SuperLink: a throw-away self-signed CA and a server certificate.
 
 :func:`generate_tls` writes ``ca.pem`` (the root certificate every client trusts), ``server.pem`` and
-``server.key`` (the SuperLink's certificate, signed by that CA, and its private key, mode ``0600``). The
+``server.key`` (the SuperLink's certificate, signed by that CA, and its private key, mode ``0600``), in a
+``0700`` folder. The
 CA's private key is never written: it signs the one server certificate in memory and is then dropped,
 so nothing on disk can issue another certificate that the clients would trust. Users with their own PKI
 pass a :class:`TLSConfig` with their paths instead.
@@ -15,6 +16,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from .workdir import private_dir
 
 __all__ = ["DEFAULT_HOSTS", "TLSConfig", "generate_tls", "write_private"]
 
@@ -73,8 +76,7 @@ def generate_tls(
 
     if not hosts:
         raise ValueError("at least one host is needed for the server certificate")
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    d = private_dir(directory)
     now = dt.datetime.now(dt.timezone.utc)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=valid_days)
 

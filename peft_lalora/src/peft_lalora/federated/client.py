@@ -31,7 +31,9 @@ the seed, and a server that replays a round would get two releases with the same
   seeds and is **not private against whoever knows the seed**; a :class:`ReproducibleNoiseWarning` is
   emitted;
 * a client refuses (:class:`ReplayedRoundError`) any round index ``<=`` the last one it ran; the last
-  round is part of :meth:`DPClient.state_dict`, so a rebuilt client (Flower) refuses it as well.
+  round is part of :meth:`DPClient.state_dict`, so a client rebuilt *with* that state (Flower's
+  ``context.state``) refuses it as well. One rebuilt without it (state lost) starts at round 0 again and
+  accepts an old round: it cannot tell that from a first sampling (``docs/federated.md``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ __all__ = [
     "build_evaluator",
     "build_partition",
     "build_task",
+    "clients_per_round",
     "make_client",
     "make_peft_config",
     "make_peft_model",
@@ -112,7 +113,11 @@ class FederationConfig:
     min_clients: int = _opt(1, "fewest valid updates a round aggregates")
     server_lr: float = _opt(1.0, "server learning rate (1 = plain FedAvg)")
     weighted: bool = _opt(True, "weight FedAvg by the examples the server assigned (else uniform)")
-    max_update_norm: float = _opt(0.0, "server-side bound on ||client state - global state|| (0 = none)")
+    max_update_norm: float = _opt(0.0, "server-side bound on ||client state - global state|| (0 = the derived bound "
+                                  "of an honest client, see auto_update_norm)")  # fmt: skip
+    auto_update_norm: bool = _opt(True, "with max_update_norm=0, bound updates by the longest one an honest client "
+                                  "of this run can send (lr, local_steps, optimizer; docs/federated.md); "
+                                  "--no-auto-update-norm: no bound at all (NOT robust, warns)")  # fmt: skip
     update_norm_policy: str = _opt("clip", "clip or reject updates longer than max_update_norm",
                                    choices=("clip", "reject"))  # fmt: skip
     aggregation: str = _opt("mean", "mean (weighted FedAvg) or trimmed_mean (Flower's coordinate-wise, unweighted)",
@@ -169,7 +174,7 @@ class FederationConfig:
         if self.min_clients > self.num_clients:
             raise ValueError(f"min_clients={self.min_clients} > num_clients={self.num_clients}")
         if not self.max_update_norm >= 0:
-            raise ValueError(f"max_update_norm must be >= 0 (0 = no bound), got {self.max_update_norm}")
+            raise ValueError(f"max_update_norm must be >= 0 (0 = the derived bound), got {self.max_update_norm}")
         from .aggregate import NORM_POLICIES, RULES
 
         if self.update_norm_policy not in NORM_POLICIES:
@@ -178,6 +183,13 @@ class FederationConfig:
             raise ValueError(f"aggregation must be one of {RULES}, got {self.aggregation!r}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if self.aggregation == "trimmed_mean":
+            from .aggregate import trim_problem
+
+            problem = trim_problem(self.trim_fraction, clients_per_round(self))
+            if problem is not None:
+                raise ValueError(f"{clients_per_round(self)} of num_clients={self.num_clients} are sampled per round: "
+                                 f"{problem}")  # fmt: skip
         self.task_option_dict()  # valid JSON object
         self.planned_sizes()  # valid plan
         self.planned_nodes()
@@ -376,12 +388,15 @@ def noise_record(cfg: FederationConfig) -> dict[str, Any]:
     }
 
 
+def clients_per_round(cfg: FederationConfig) -> int:
+    """How many clients a round samples: ``max(min_clients, round(fraction·N))``, at most N."""
+    return min(cfg.num_clients, max(cfg.min_clients, int(round(cfg.fraction * cfg.num_clients))))
+
+
 def sample_clients(cfg: FederationConfig, round_index: int) -> list[int]:
     """Sorted ids of the clients sampled in ``round_index``: ``max(min_clients, round(fraction·N))`` drawn
     without replacement from a generator seeded by ``(seed, round)``."""
-    n = cfg.num_clients
-    m = max(cfg.min_clients, int(round(cfg.fraction * n)))
-    m = min(m, n)
+    n, m = cfg.num_clients, clients_per_round(cfg)
     if m == n:
         return list(range(n))
     rng = np.random.default_rng([cfg.seed, round_index, 0x5A])
@@ -394,10 +409,14 @@ def aggregate_updates(
     states: Sequence[Mapping[str, torch.Tensor]],
     num_examples: Sequence[int],
     client_ids: Sequence[int],
+    *,
+    update_bound: float | None = None,
 ) -> Any:
     """FedAvg of the round's updates in client-id order (same float sums in every runner).
 
-    ``num_examples`` must be the sizes the *server* assigned (``partition.sizes``), never client reports."""
+    ``num_examples`` must be the sizes the *server* assigned (``partition.sizes``), never client reports.
+    ``update_bound``: the bound the server computed (:func:`~.update_bound.server_update_bound`); ``None``:
+    ``cfg.max_update_norm`` (0 = none)."""
     from .aggregate import fedavg
 
     order = sorted(range(len(client_ids)), key=lambda i: client_ids[i])
@@ -408,7 +427,7 @@ def aggregate_updates(
         global_state=global_state,
         min_clients=cfg.min_clients,
         client_ids=[client_ids[i] for i in order],
-        max_update_norm=cfg.max_update_norm or None,
+        max_update_norm=update_bound if update_bound is not None else (cfg.max_update_norm or None),
         update_norm_policy=cfg.update_norm_policy,
         rule=cfg.aggregation,
         trim_fraction=cfg.trim_fraction,

@@ -44,6 +44,7 @@ is why both runners then produce the same global adapter.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
@@ -351,10 +352,12 @@ def _server_main(grid: Grid, context: Context) -> None:
     out = str(context.run_config.get(RESULT_PATH_KEY, "") or "")
     if out:
         result.save(out)
+        os.chmod(out, 0o600)  # the run's folder is private (.workdir); so are its files
     state_out = str(context.run_config.get(STATE_PATH_KEY, "") or "")
     if state_out:
         Path(state_out).parent.mkdir(parents=True, exist_ok=True)
         torch.save(result.state, state_out)
+        os.chmod(state_out, 0o600)
     _log(
         INFO,
         "LA-LoRA federation done: %s",

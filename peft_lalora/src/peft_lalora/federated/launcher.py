@@ -1,8 +1,9 @@
 """One-command local Flower federation on loopback: SuperLink + N SuperNodes, TLS + SuperNode
 authentication by default, always torn down.
 
-:func:`run_flower` writes a Flower app (``pyproject.toml`` + a copy of
-:mod:`peft_lalora.federated.flower_app`) with the run's configuration and, by default (secure),
+:func:`run_flower` (:mod:`.flower_run`) writes a Flower app (``pyproject.toml`` + a copy of
+:mod:`peft_lalora.federated.flower_app`) with the run's configuration into a private work folder
+(:mod:`.workdir`: ``0700``, removed at the end unless kept) and, by default (secure),
 
 * generates into ``<workdir>/credentials/`` a throw-away CA and a SuperLink certificate for
   ``127.0.0.1``/``localhost`` (:mod:`.certificates`; or uses the user's :class:`TLSConfig`) and one
@@ -39,7 +40,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -49,9 +49,9 @@ from typing import Any
 
 from .app_config import APP_MODULE, write_flower_app
 from .certificates import TLSConfig, generate_tls
-from .federation import FederationConfig
 from .node_keys import NodeKeys, generate_node_keys
 from .processes import MARKER, free_port, group_kwargs, marked_pids
+from .workdir import new_workdir, private_dir
 
 __all__ = [
     "APP_MODULE",
@@ -75,7 +75,8 @@ class LocalFederation:
 
     Args:
         num_supernodes: one per partition (the ServerApp assigns partitions 0..N-1 to the nodes it sees).
-        workdir: where ``flwr_home/``, ``logs/``, ``credentials/`` go (default: a new temp dir).
+        workdir: where ``flwr_home/``, ``logs/``, ``credentials/`` go, each ``0700`` (default: a new ``0700``
+            temp dir; :func:`run_flower` removes the one it made unless asked to keep it).
         startup_timeout: seconds to wait for the SuperLink port.
         extra_env: added to every process's environment.
         insecure: plain HTTP and no SuperNode authentication (today's ``--insecure``); warns with a
@@ -100,7 +101,7 @@ class LocalFederation:
         if not sys.platform.startswith("linux"):
             raise RuntimeError("LocalFederation needs Linux (/proc) to guarantee teardown")
         self.num_supernodes = int(num_supernodes)
-        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="lalora-flwr-"))
+        self.workdir = Path(workdir) if workdir is not None else new_workdir()
         self.startup_timeout = float(startup_timeout)
         self.marker = uuid.uuid4().hex
         self.port = free_port()
@@ -303,8 +304,8 @@ class LocalFederation:
 
     def start(self) -> LocalFederation:
         """Start SuperLink and SuperNodes; on any failure everything started so far is stopped."""
-        self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.flwr_home)  # owner-only: config.toml, logs and keys of this federation
+        private_dir(self.log_dir)
         self._prepare_tls()
         (self.flwr_home / "config.toml").write_text(self.config_toml())
         if not self._atexit_registered:
@@ -396,64 +397,4 @@ class LocalFederation:
         self.stop()
 
 
-def run_flower(
-    cfg: FederationConfig,
-    *,
-    workdir: str | Path | None = None,
-    threads: int = 0,
-    timeout: float = 600.0,
-    insecure: bool = False,
-    tls: TLSConfig | None = None,
-) -> dict[str, Any]:
-    """Run ``cfg`` on a fresh local Flower federation (``cfg.num_clients`` SuperNodes) and return the
-    result JSON (same layout as :meth:`FederationResult.to_json`) plus ``"state_path"`` (the final
-    global adapter saved with ``torch.save``), ``"workdir"`` (logs, app, credentials), ``"federation_id"``
-    (the value of ``LALORA_FEDERATION_ID`` its processes carried), ``"leftover_pids"`` (checked after
-    teardown) and ``"transport"`` (``{"tls": bool, "supernode_auth": bool}``).
-
-    TLS and SuperNode authentication are on by default (``tls`` or generated); ``insecure=True`` turns both off
-    and warns. This process is the operator's: it computes the plan (:func:`~.plan.planned_config`) from the
-    shared source; the ServerApp gets only the plan. Raises ``RuntimeError`` with the logs' tail if no result.
-    """
-    from .flower_app import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
-    from .plan import FederationPlan, partition_summary, planned_config
-    from .task import build_task
-
-    cfg, partition = planned_config(cfg, build_task(cfg))
-    wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="lalora-flwr-"))
-    wd.mkdir(parents=True, exist_ok=True)
-    result_path, state_path = (wd / "result.json").resolve(), (wd / "global_state.pt").resolve()
-    run_config = {
-        **cfg.to_dict(),
-        RESULT_PATH_KEY: str(result_path),
-        STATE_PATH_KEY: str(state_path),
-        THREADS_KEY: int(threads),
-    }
-    app_dir = write_flower_app(wd / "app", run_config)
-    fed = LocalFederation(
-        cfg.num_clients,
-        wd,
-        extra_env={"OMP_NUM_THREADS": str(threads)} if threads > 0 else None,
-        insecure=insecure,
-        tls=tls,
-    )
-    with fed:
-        completed = fed.run(app_dir, timeout=timeout)
-        deadline = time.monotonic() + 30.0
-        while not result_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-    if not result_path.exists():
-        tails = []
-        for log in sorted(fed.log_dir.glob("*.log")):
-            tails.append(f"--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
-        raise RuntimeError(
-            f"Flower run produced no result (flwr run exit code {completed.returncode}).\n" + "\n".join(tails)
-        )
-    out = json.loads(result_path.read_text())
-    out["partition"] = partition_summary(cfg, FederationPlan.from_partition(partition), partition)
-    out["state_path"] = str(state_path)
-    out["workdir"] = str(wd)
-    out["federation_id"] = fed.marker
-    out["leftover_pids"] = fed.leftovers()  # [] unless teardown failed
-    out["transport"] = {"tls": fed.tls is not None, "supernode_auth": fed.tls is not None}
-    return out
+from .flower_run import run_flower  # noqa: E402 - needs LocalFederation defined (it imports it lazily)

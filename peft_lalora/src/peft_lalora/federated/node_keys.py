@@ -2,7 +2,7 @@
 
 ``flower-supernode --auth-supernode-private-key`` loads an **OpenSSH private key** holding an EC key,
 and ``flwr supernode register`` loads an **OpenSSH public key** on a NIST curve (Flower suggests P-384).
-:func:`generate_node_keys` writes ``<name>`` (private, mode ``0600``) and ``<name>.pub``.
+:func:`generate_node_keys` writes ``<name>`` (private, mode ``0600``) and ``<name>.pub`` into a ``0700`` folder.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .certificates import write_private
+from .workdir import private_dir
 
 __all__ = ["NodeKeys", "generate_node_keys"]
 
@@ -29,8 +30,7 @@ def generate_node_keys(directory: str | Path, name: str) -> NodeKeys:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    d = private_dir(directory)
     key = ec.generate_private_key(ec.SECP384R1())
     keys = NodeKeys((d / name).resolve(), (d / f"{name}.pub").resolve())
     write_private(

@@ -5,20 +5,23 @@ One round, whichever runner drives it::
     sampled = server.start_round(r)        # seeded sample; each sampled client is charged (σ, q, K) to the ledger
     server.receive(c, state=..., history=...)   # a client's update (its history goes to the ledger, bounded)
     server.reject(c, reason, history=...)  # a failed / malformed / refused reply (its spend is still recorded)
-    record = server.finish_round()         # FedAvg (or keep the global state), evaluate, record
+    record = server.finish_round()         # bound, FedAvg (or keep the global state), evaluate, record
 
 The server owns the global adapter, the partition sizes of the operator's plan (the FedAvg weights — never
 what a client reports; :mod:`.plan`), the (σ, q) of every partition (computed here with the client's own
 function), the privacy ledger and the round records; :meth:`result` is the run's JSON-ready result. It holds
 no client data: :meth:`FederationServer.from_plan` needs the plan, the task's model and, for evaluation, only
 the operator's own evaluation data. A reply's accountant history is bounded (steps <= what was charged,
-σ > 0, finite) before it reaches the ledger; a reply that claims more is refused with its reason.
+σ > 0, finite) before it reaches the ledger; a reply that claims more is refused with its reason. Every
+update is bounded in norm before averaging — by default to the longest update an honest client of the run can
+send (:mod:`.update_bound`); a server without any bound warns.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from .aggregate import AggregationError
 from .federation import FederationConfig, aggregate_updates, noise_record, sample_clients
 from .ledger import InadmissibleReport, PrivacyLedger
 from .plan import FederationPlan, partition_summary
+from .update_bound import server_update_bound
 
 __all__ = ["FederationResult", "FederationServer", "RoundRecord"]
 
@@ -50,6 +54,9 @@ class RoundRecord:
     error: str | None = None
     #: mean noise-free training loss of the clients: only with ``release_nonprivate_stats`` (NOT private)
     train_loss: float | None = None
+    #: the bound on ``‖update‖₂`` applied this round (``None``: none) and the clients clipped to it
+    update_bound: float | None = None
+    clipped: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +145,13 @@ class FederationServer:
         self.evaluator = evaluator
         self.partition_summary = partition_summary or {"sizes": self.sizes}
         self.evaluation = evaluation or ("none" if evaluator is None else "the server's evaluator")
+        if server_update_bound(cfg, self.global_state, self.sizes, self.privacy) is None and cfg.aggregation == "mean":
+            warnings.warn(
+                "no server-side update bound (max_update_norm=0, auto_update_norm=False, aggregation='mean'): one "
+                "client can move the global adapter arbitrarily far; set max_update_norm or auto_update_norm",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.ledger = PrivacyLedger(cfg.delta, cfg.accountant)
         for c in range(cfg.num_clients):
             self.ledger.register(c)
@@ -249,13 +263,15 @@ class FederationServer:
         """FedAvg of the valid updates (or keep the global state, with the reason), evaluate, record."""
         rnd = self._current(None)
         error: str | None = None
+        clipped: list[int] = []
+        bound = server_update_bound(self.cfg, self.global_state, self.sizes, self.privacy)
         try:
             if not rnd.states:
                 raise AggregationError("no client returned an update", [])
             sizes = [self.sizes[c] for c in rnd.ids]
-            result = aggregate_updates(self.cfg, self.global_state, rnd.states, sizes, rnd.ids)
+            result = aggregate_updates(self.cfg, self.global_state, rnd.states, sizes, rnd.ids, update_bound=bound)
             self.global_state = result.state
-            rejected = result.rejected
+            rejected, clipped = result.rejected, list(result.clipped)
         except AggregationError as err:  # keep the previous global state and go on
             error = f"aggregation failed, global state kept: {err}"
             rejected = err.rejected
@@ -270,6 +286,8 @@ class FederationServer:
             rejected=[{"client": r.client, "reason": r.reason} for r in rejected] + rnd.failures,
             max_epsilon=self.ledger.max_epsilon,
             error=error,
+            update_bound=bound,
+            clipped=clipped,
         )
         self.rounds.append(record)
         self._round = None

@@ -33,6 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .inputs import InputError, check_loaded, column_roles, load_table, scan_table
+from .truncation import cut_texts
+
 if TYPE_CHECKING:  # pragma: no cover
     from .federation import FederationConfig
 
@@ -126,30 +129,21 @@ def subsample(dataset: Any, n: int, seed: int) -> Any:
     return dataset.select(keep.tolist())
 
 
-def load_table(path: str | Path) -> Any:
-    """A ``datasets.Dataset`` (or ``DatasetDict``) from a CSV / JSON Lines file or a ``save_to_disk`` folder."""
-    import datasets
-
-    p = Path(path)
-    if p.is_dir():
-        return datasets.load_from_disk(str(p))
-    if not p.is_file():
-        raise FileNotFoundError(f"no data file or saved dataset folder at {p}")
-    kinds = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
-    kind = kinds.get(p.suffix.lower())
-    if kind is None:
-        raise ValueError(f"{p}: expected .csv, .tsv, .json or .jsonl, or a folder written by datasets.save_to_disk")
-    extra = {"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}
-    return datasets.load_dataset(kind, data_files=str(p), split="train", **extra)
+def _read(path: str | Path, cfg: FederationConfig) -> Any:
+    """:func:`~.inputs.load_table` after checking the file record by record (:func:`~.inputs.scan_table`)."""
+    scan_table(path, column_roles(cfg.text_column, cfg.label_column, cfg.group_column))
+    return load_table(path)
 
 
-def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None) -> tuple[Any, list[str] | None]:
+def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None, where: str) -> tuple[Any, list[str] | None]:
     """Rename the text/label columns, encode string labels (with ``names`` if given), keep what is needed."""
     import datasets
 
-    for col in (cfg.text_column, cfg.label_column, cfg.group_column):
-        if col and col not in ds.column_names:
-            raise ValueError(f"column {col!r} not in the data (columns: {ds.column_names})")
+    roles = column_roles(cfg.text_column, cfg.label_column, cfg.group_column)
+    for role, col in roles.items():
+        if col not in ds.column_names:
+            raise InputError(f"{where}: column {col!r} (--{role}-column) not in the data (columns: {ds.column_names})")
+    check_loaded(ds, where, roles)
     keep = [cfg.text_column, cfg.label_column] + ([cfg.group_column] if cfg.group_column else [])
     ds = ds.select_columns(keep).rename_columns({cfg.text_column: "text", cfg.label_column: "label"})
     feature = ds.features["label"]
@@ -160,7 +154,8 @@ def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None) -> tuple[A
         index = {name: i for i, name in enumerate(names)}
         unknown = sorted(set(ds["label"]) - set(index))
         if unknown:
-            raise ValueError(f"labels {unknown[:5]} do not occur in the training data's labels {names}")
+            raise InputError(f"{where}: labels {unknown[:5]} in column {cfg.label_column!r} do not occur in the "
+                             f"training data's labels {names}")
         features = ds.features.copy()
         features["label"] = datasets.ClassLabel(names=names)
         return ds.map(lambda b: {"label": [index[x] for x in b["label"]]}, batched=True, features=features), names
@@ -181,7 +176,8 @@ class _TextSource:
         seq_len = self.cfg.seq_len or DEFAULT_SEQ_LEN
 
         def tokenize(batch: dict[str, list[Any]]) -> Any:
-            return self.tokenizer(batch["text"], truncation=True, padding="max_length", max_length=seq_len)
+            texts = cut_texts(batch["text"], self.tokenizer, seq_len)  # same tokens; a huge cell is not tokenized whole
+            return self.tokenizer(texts, truncation=True, padding="max_length", max_length=seq_len)
 
         return ds.map(tokenize, batched=True, remove_columns=["text"])
 
@@ -189,18 +185,19 @@ class _TextSource:
         import datasets
 
         cfg = self.cfg
-        raw = load_table(cfg.data)
+        raw = _read(cfg.data, cfg)
         if isinstance(raw, datasets.DatasetDict):
             if "train" not in raw:
                 raise ValueError(f"{cfg.data}: a saved DatasetDict needs a 'train' split (has {list(raw)})")
             train, held = raw["train"], raw.get("test")
         else:
             train, held = raw, None
-        train, self.names = _prepare(train, cfg, None)
+        split = " [train]" if held is not None else ""
+        train, self.names = _prepare(train, cfg, None, f"{cfg.data}{split}")
         if cfg.test_data:
             held = None
         elif held is not None:
-            held, self.names = _prepare(held, cfg, self.names)
+            held, self.names = _prepare(held, cfg, self.names, f"{cfg.data} [test]")
         else:
             stratify = "label" if isinstance(train.features["label"], datasets.ClassLabel) else None
             parts = train.train_test_split(test_size=cfg.test_fraction, seed=cfg.seed, stratify_by_column=stratify)
@@ -224,7 +221,7 @@ class _TextSource:
             if self._train is None:
                 self._load_data()
             return self._tokenize(subsample(self._held_out, self.cfg.n_test, self.cfg.seed + 1))
-        test, names = _prepare(load_table(self.cfg.test_data), self.cfg, self.names)
+        test, names = _prepare(_read(self.cfg.test_data, self.cfg), self.cfg, self.names, str(self.cfg.test_data))
         if self.names is None and names is not None and self.cfg.num_labels and len(names) != self.cfg.num_labels:
             raise ValueError(
                 f"{self.cfg.test_data}: its labels {names} are not the run's {self.cfg.num_labels} classes; string "

@@ -48,6 +48,7 @@ class SVHTDenoiser(Denoiser):
     """
 
     name = "svht"
+    needs_isotropic_noise = True  # known σ per entry (eq. 11): the engine warns if an undeclared callable hides it
 
     def __init__(self, roles: str | Sequence[str] = ROLES, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
