@@ -273,3 +273,12 @@ def test_config_validation_and_flat_round_trip():
     with pytest.raises(ValueError, match="no group column"):
         build_partition(cfg_group, build_task(cfg_group))
     assert cfg.client_config().planned_steps == cfg.rounds * cfg.local_steps
+
+
+def test_a_client_without_noise_is_refused_unless_opted_in():
+    """The engine only warns at noise 0 (a drop-in for Opacus); a federated client must not send such updates."""
+    from peft_lalora.federated.client import ClientConfig
+
+    with pytest.raises(ValueError, match="allow_non_private"):
+        ClientConfig(noise_multiplier=0.0)
+    assert ClientConfig(noise_multiplier=0.0, allow_non_private=True).allow_non_private

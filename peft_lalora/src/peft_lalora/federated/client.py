@@ -132,6 +132,11 @@ class ClientConfig:
             raise ValueError("local_steps and batch_size must be >= 1")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if self.noise_multiplier == 0 and not self.allow_non_private:  # the engine only warns, as Opacus accepts it
+            raise ValueError(
+                "noise_multiplier=0: this client would train with no noise, so its updates are not differentially "
+                "private; set allow_non_private=True for a clipping-only reference run"
+            )
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
         if self.target_epsilon is not None and (self.planned_steps is None or self.planned_steps < 1):
