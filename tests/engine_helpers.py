@@ -46,8 +46,14 @@ class Recorder(Denoiser):
         self.raw.append(list(grads))
         self.seen.append(
             [
-                {"name": g.name, "role": g.role, "sigma": g.sigma, "step": g.step, "layer": g.layer,
-                 "tensor": g.tensor.detach().clone()}
+                {
+                    "name": g.name,
+                    "role": g.role,
+                    "sigma": g.sigma,
+                    "step": g.step,
+                    "layer": g.layer,
+                    "tensor": g.tensor.detach().clone(),
+                }
                 for g in grads
             ]
         )

@@ -59,10 +59,13 @@ def _make_private(optimizer_factory, post_hooks) -> list[warnings.WarningMessage
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=optimizer_factory(model.parameters()),
-            data_loader=torch.utils.data.DataLoader(data, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+            module=model,
+            optimizer=optimizer_factory(model.parameters()),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
             post_hooks=post_hooks,
-        )  # fmt: skip
+        )
     return [w for w in caught if issubclass(w.category, DenoiserAdviceWarning)]
 
 

@@ -39,8 +39,14 @@ def test_toggling_factors_trains_only_active_factor(mode, wrap_model):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
     engine = PrivacyEngine(accountant="rdp")
     out = engine.make_private(
-        module=model, optimizer=opt, data_loader=token_loader(), noise_multiplier=0.5, max_grad_norm=1.0,
-        grad_sample_mode=mode, wrap_model=wrap_model, post_hooks=[],
+        module=model,
+        optimizer=opt,
+        data_loader=token_loader(),
+        noise_multiplier=0.5,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        wrap_model=wrap_model,
+        post_hooks=[],
     )
     wrapped, dp_opt, dl = out[0], out[1], out[-1]
     crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
@@ -76,8 +82,14 @@ def test_ghost_norms_ignore_frozen_factor():
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, crit, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=token_loader(), noise_multiplier=0.0, max_grad_norm=1e-3,
-        allow_non_private=True, grad_sample_mode="ghost", post_hooks=[],
+        module=model,
+        optimizer=opt,
+        data_loader=token_loader(),
+        noise_multiplier=0.0,
+        max_grad_norm=1e-3,
+        allow_non_private=True,
+        grad_sample_mode="ghost",
+        post_hooks=[],
     )
     x, y = next(iter(dl))
     dp_opt.zero_grad()
@@ -112,8 +124,13 @@ def test_per_layer_clipping_with_toggling_is_refused():
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(trainable, lr=0.1), data_loader=token_loader(),
-        noise_multiplier=0.5, max_grad_norm=[1.0] * len(trainable), clipping="per_layer", post_hooks=[],
+        module=model,
+        optimizer=torch.optim.SGD(trainable, lr=0.1),
+        data_loader=token_loader(),
+        noise_multiplier=0.5,
+        max_grad_norm=[1.0] * len(trainable),
+        clipping="per_layer",
+        post_hooks=[],
     )
     x, y = next(iter(dl))
     nn.functional.cross_entropy(gsm(x).logits, y).backward()
@@ -133,8 +150,11 @@ def test_lora_on_embedding_is_named_at_make_private():
     engine = PrivacyEngine(accountant="rdp")
     with pytest.raises(ValueError, match=r"lora_embedding_A.*ParameterDict"):
         engine.make_private(
-            module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-            data_loader=token_loader(), noise_multiplier=0.5, max_grad_norm=1.0,
+            module=model,
+            optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+            data_loader=token_loader(),
+            noise_multiplier=0.5,
+            max_grad_norm=1.0,
         )
 
 

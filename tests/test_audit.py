@@ -41,8 +41,11 @@ ORACLE = [
     ((5000, 2000, 1400, 1e-6), 0.7660700729648592, 0.7330889887516034),
     ((200, 50, 40, 1e-4), 0.7624819842567566, 0.5250122109374963),
 ]
-ORACLE_P = [((1000, 100, 90, 1e-5, 1.0), 0.0008412885614385309), ((10000, 400, 316, 1e-5, 0.5), 0.002302950045273787),
-            ((200, 50, 40, 1e-4, 2.0), 0.9695975554078726)]  # fmt: skip
+ORACLE_P = [
+    ((1000, 100, 90, 1e-5, 1.0), 0.0008412885614385309),
+    ((10000, 400, 316, 1e-5, 0.5), 0.002302950045273787),
+    ((200, 50, 40, 1e-4, 2.0), 0.9695975554078726),
+]
 
 
 # ---------------------------------------------------------------------------------------------- the bound
@@ -166,9 +169,13 @@ def _private(model: nn.Module, n: int = 256, batch: int = 64, nm: float = 1.0, *
     data = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
     kw.setdefault("post_hooks", [])
     return PrivacyEngine(accountant="prv").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=nm,
-        data_loader=torch.utils.data.DataLoader(data, batch_size=batch), max_grad_norm=0.7, **kw,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=nm,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+        max_grad_norm=0.7,
+        **kw,
+    )
 
 
 def test_gradient_canaries_are_injected_exactly_into_the_clipped_sum() -> None:
@@ -215,9 +222,13 @@ def test_gradient_canaries_refuse_what_they_cannot_audit() -> None:
     model = nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 4))
     data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.zeros(8).long())
     module, opt, _ = PrivacyEngine(accountant="prv").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
-        data_loader=torch.utils.data.DataLoader(data, batch_size=4), max_grad_norm=[1.0] * 4, clipping="per_layer",
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4),
+        max_grad_norm=[1.0] * 4,
+        clipping="per_layer",
+    )
     with pytest.raises(NotImplementedError, match="flat clipping"):
         GradientCanaries(opt, 10)
     module, opt, _ = _private(nn.Linear(16, 4))
@@ -248,8 +259,18 @@ def _run_audit(method: str, *, m: int, steps: int, mu: float) -> tuple[float, fl
     x, y = torch.randn(2048, 64, generator=g), torch.randint(0, 10, (2048,), generator=g)
     data = torch.utils.data.TensorDataset(x, y)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-    run = audit_cmd.train(model, data, method=method, sigma=steps**0.5 / mu, batch=128, physical=128, steps=steps,
-                          lr=1e-3, seed=0, white_box=m)  # fmt: skip
+    run = audit_cmd.train(
+        model,
+        data,
+        method=method,
+        sigma=steps**0.5 / mu,
+        batch=128,
+        physical=128,
+        steps=steps,
+        lr=1e-3,
+        seed=0,
+        white_box=m,
+    )
     can = run["canaries"]
     assert can.steps == steps and can.claimed_mu() == pytest.approx(mu, rel=1e-12)
     fdp = can.audit(delta=1e-5, bound="fdp").epsilon_lower
@@ -354,10 +375,38 @@ def test_audit_command_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n, dtype=np.uint8))
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path))
     out = tmp_path / "audit.json"
-    res = audit_cmd.main(["--methods", "none", "--faults", "sigma/4", "--canaries", "500", "--steps", "3",
-                          "--batch", "64", "--physical-batch", "64", "--bb-methods", "none", "--bb-steps", "2",
-                          "--bb-train", "200", "--bb-canaries", "40", "--bb-batch", "32", "--val-size", "100",
-                          "--out", str(out), "--plot", str(tmp_path / "audit.png")])  # fmt: skip
+    res = audit_cmd.main(
+        [
+            "--methods",
+            "none",
+            "--faults",
+            "sigma/4",
+            "--canaries",
+            "500",
+            "--steps",
+            "3",
+            "--batch",
+            "64",
+            "--physical-batch",
+            "64",
+            "--bb-methods",
+            "none",
+            "--bb-steps",
+            "2",
+            "--bb-train",
+            "200",
+            "--bb-canaries",
+            "40",
+            "--bb-batch",
+            "32",
+            "--val-size",
+            "100",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "audit.png"),
+        ]
+    )
     data = json.loads(out.read_text())
     rows = data["audit"]["white_box"]
     assert [r["method"] for r in rows] == ["none", "sigma/4"] and rows[1]["kind"] == "broken"
@@ -368,12 +417,36 @@ def test_audit_command_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_audit_fdp_validity_command_smoke(tmp_path: Path) -> None:
     out = tmp_path / "audit_fdp.json"
-    res = audit_cmd.main(["--experiment", "fdp-validity", "--fv-seeds", "2", "--fv-methods", "none",
-                          "--fv-faults", "sigma/4", "--fv-canaries", "500", "--fv-train", "256", "--fv-batch", "64",
-                          "--steps", "5", "--fv-out", str(out),
-                          "--fv-plot", str(tmp_path / "audit_fdp.png")])  # fmt: skip
+    res = audit_cmd.main(
+        [
+            "--experiment",
+            "fdp-validity",
+            "--fv-seeds",
+            "2",
+            "--fv-methods",
+            "none",
+            "--fv-faults",
+            "sigma/4",
+            "--fv-canaries",
+            "500",
+            "--fv-train",
+            "256",
+            "--fv-batch",
+            "64",
+            "--steps",
+            "5",
+            "--fv-out",
+            str(out),
+            "--fv-plot",
+            str(tmp_path / "audit_fdp.png"),
+        ]
+    )
     data = json.loads(out.read_text())
     assert [(r["method"], r["seed"]) for r in data["fdp_validity"]["rows"]] == [
-        ("none", 0), ("none", 1), ("sigma/4", 0), ("sigma/4", 1)]  # fmt: skip
+        ("none", 0),
+        ("none", 1),
+        ("sigma/4", 0),
+        ("sigma/4", 1),
+    ]
     assert data["fdp_validity"]["summary"]["none"]["runs"] == 2 and data["command"].startswith("dp-bench audit")
     assert (tmp_path / "audit_fdp.png").stat().st_size > 1000 and res["fdp_validity"] == data["fdp_validity"]

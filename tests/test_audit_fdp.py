@@ -174,8 +174,10 @@ def test_audit_scores_with_the_fdp_bound() -> None:
     assert res.bound == "fdp" and res.candidates == 3
     # the best size, each tested at 1 − 0.05/3, as the ε of the refuted μ
     ranked = included[np.argsort(-scores, kind="stable")]
-    mus = [one_run_gdp_lower_bound(2 * k, int(ranked[:k].sum() + (~ranked[-k:]).sum()), 2000, 1 - 0.05 / 3)
-           for k, _ in pairs]  # fmt: skip
+    mus = [
+        one_run_gdp_lower_bound(2 * k, int(ranked[:k].sum() + (~ranked[-k:]).sum()), 2000, 1 - 0.05 / 3)
+        for k, _ in pairs
+    ]
     assert res.mu_lower == max(mus)
     assert res.epsilon_lower == gaussian_dp_epsilon(max(mus), 1e-5)
     snj = audit_scores(scores, included, delta=1e-5, guesses=pairs)
@@ -192,9 +194,13 @@ def test_gradient_canaries_fdp_needs_a_gdp_claim() -> None:
     with pytest.warns(UserWarning, match="noise_seed"):
         engine = PrivacyEngine(noise_seed=0)
     module, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=2.0,
-        data_loader=torch.utils.data.DataLoader(data, batch_size=16), max_grad_norm=1.0, poisson_sampling=False,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=2.0,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=16),
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+    )
     every = GradientCanaries(opt, 40, module=module, seed=0)
     for x, y in list(dl)[:4]:
         opt.zero_grad()

@@ -49,9 +49,28 @@ def test_method_hooks_and_plan() -> None:
     assert centralized.method_hooks("rmt+doppler") == ["rmt", "doppler"]
     from dp_bench.config import parse_config
 
-    args = parse_config(centralized.Config, ["--seeds", "0", "1", "--epsilons", "3", "8", "--baseline-epsilons", "8",
-                        "16", "--methods", "dp-lora", "rmt", "doppler", "--doppler-epsilons", "3"], prog="t",
-                        description="")  # fmt: skip
+    args = parse_config(
+        centralized.Config,
+        [
+            "--seeds",
+            "0",
+            "1",
+            "--epsilons",
+            "3",
+            "8",
+            "--baseline-epsilons",
+            "8",
+            "16",
+            "--methods",
+            "dp-lora",
+            "rmt",
+            "doppler",
+            "--doppler-epsilons",
+            "3",
+        ],
+        prog="t",
+        description="",
+    )
     plan = centralized.planned_runs(args)
     assert plan[:5] == [("dp-lora", 3.0, 0), ("rmt", 3.0, 0), ("doppler", 3.0, 0), ("dp-lora", 8.0, 0), ("rmt", 8.0, 0)]
     assert ("doppler", 8.0, 0) not in plan and ("dp-lora", 16.0, 1) in plan and len(plan) == 12
@@ -85,8 +104,24 @@ def test_trainable_spec_parsing() -> None:
 
 
 def test_regime_map_smoke(tmp_path: Path) -> None:
-    res = regime_map.main(["--model", "tiny", "--trainables", "lora:qv:4", "--batches", "16", "--traj-steps", "2",
-                           "--sweep-steps", "1", "--out", str(tmp_path), "--threads", "1"])
+    res = regime_map.main(
+        [
+            "--model",
+            "tiny",
+            "--trainables",
+            "lora:qv:4",
+            "--batches",
+            "16",
+            "--traj-steps",
+            "2",
+            "--sweep-steps",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--threads",
+            "1",
+        ]
+    )
     data = json.loads((tmp_path / "regime_map.json").read_text())
     t = data["trainables"]["lora:qv:4"]
     assert len(t["trajectory"]["per_step"]) == 2
@@ -102,8 +137,27 @@ def test_regime_map_smoke(tmp_path: Path) -> None:
 
 
 def test_centralized_smoke(tmp_path: Path) -> None:
-    argv = ["--model", "tiny", "--steps", "2", "--eval-every", "1", "--seeds", "0", "--epsilons", "3",
-            "--baseline-epsilons", "6", "--methods", "dp-lora", "rmt", "--out", str(tmp_path), "--threads", "1"]
+    argv = [
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--seeds",
+        "0",
+        "--epsilons",
+        "3",
+        "--baseline-epsilons",
+        "6",
+        "--methods",
+        "dp-lora",
+        "rmt",
+        "--out",
+        str(tmp_path),
+        "--threads",
+        "1",
+    ]
     res = centralized.main(argv)
     runs = res["runs"]
     assert set(runs) == {"dp-lora|3|0", "rmt|3|0", "dp-lora|6|0"}
@@ -148,8 +202,18 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
 
     with pytest.raises(SystemExit, match="usage: dp-bench"):
         cli.run(["no-such-command"])
-    assert set(cli.COMMANDS) == {"demo", "centralized", "regime-map", "federated", "overhead", "noise-std",
-                                 "isolation-cost", "grid", "audit", "overhead-llm"}  # fmt: skip
+    assert set(cli.COMMANDS) == {
+        "demo",
+        "centralized",
+        "regime-map",
+        "federated",
+        "overhead",
+        "noise-std",
+        "isolation-cost",
+        "grid",
+        "audit",
+        "overhead-llm",
+    }
     for module in cli.COMMANDS.values():  # every command has a config dataclass and a main
         mod = __import__(module, fromlist=["main"])
         assert callable(mod.main)
@@ -158,12 +222,42 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
 def test_isolation_cost_and_overhead_smoke(tmp_path: Path) -> None:
     from dp_bench.commands import isolation_cost, overhead
 
-    res = isolation_cost.main(["--steps", "1", "--reps", "2", "--cases", "lora", "--batch", "2", "--seq", "8",
-                               "--out", str(tmp_path / "iso.json")])  # fmt: skip
+    res = isolation_cost.main(
+        [
+            "--steps",
+            "1",
+            "--reps",
+            "2",
+            "--cases",
+            "lora",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--out",
+            str(tmp_path / "iso.json"),
+        ]
+    )
     c = res["cases"]["lora"]
     assert c["copy_s_median"] > 0 and 0 < c["copy_over_step"] < 1 and c["grad_bytes"] > 0
-    res = overhead.main(["--cases", "lora", "--batch", "2", "--seq", "8", "--steps", "1", "--warmup", "1",
-                         "--reps", "2", "--out", str(tmp_path / "ovh.json")])  # fmt: skip
+    res = overhead.main(
+        [
+            "--cases",
+            "lora",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--reps",
+            "2",
+            "--out",
+            str(tmp_path / "ovh.json"),
+        ]
+    )
     c = res["cases"]["lora"]
     assert c["max_rel_diff_batched_vs_naive"] < 1e-4 and c["denoised_matrices"] == 73  # 72 LoRA factors + head
     assert json.loads((tmp_path / "ovh.json").read_text())["cases"]["lora"]["peak_extra_bytes"] >= 0

@@ -36,9 +36,13 @@ def tiny_lora_llama() -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
         model = get_peft_model(
             LlamaForCausalLM(config),
             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False),
@@ -78,10 +82,19 @@ def clipped_sum(mode: str, kind: str, batch, reduction: str = "mean", wrap_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = opacus_spectral.PrivacyEngine().make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0, max_grad_norm=C,
-            grad_sample_mode=mode, loss_reduction=reduction, allow_non_private=True, post_hooks=[],
-            poisson_sampling=False, wrap_model=wrap_model, **kw,
-        )  # fmt: skip
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            grad_sample_mode=mode,
+            loss_reduction=reduction,
+            allow_non_private=True,
+            post_hooks=[],
+            poisson_sampling=False,
+            wrap_model=wrap_model,
+            **kw,
+        )
     private, dp_opt = (out[0] if wrap_model else model), out[1]
     res = private(input_ids=ids, attention_mask=mask, labels=labels if kind == "hf" else None)
     if mode == "ghost":
@@ -108,9 +121,13 @@ def _batches() -> dict[str, tuple[torch.Tensor, ...]]:
     empty[2][0] = -100
     first = [0]
     return {
-        "D": base, "remove": rows(base, slice(1, None)), "empty": empty, "length": short,
-        "alone": rows(base, first), "alone_short": rows(short, first),
-    }  # fmt: skip
+        "D": base,
+        "remove": rows(base, slice(1, None)),
+        "empty": empty,
+        "length": short,
+        "alone": rows(base, first),
+        "alone_short": rows(short, first),
+    }
 
 
 BATCHES = _batches()
@@ -253,10 +270,17 @@ def test_ghost_vector_equals_opacus_per_sequence_averaging():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, _, criterion, _ = opacus_spectral.PrivacyEngine().make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0, max_grad_norm=C,
-            grad_sample_mode="ghost", allow_non_private=True, post_hooks=[], poisson_sampling=False,
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            grad_sample_mode="ghost",
+            allow_non_private=True,
+            post_hooks=[],
+            poisson_sampling=False,
             criterion=nn.CrossEntropyLoss(),
-        )  # fmt: skip
+        )
     logits = random_logits(len(LENGTHS), T)
     targets = next_token_targets(labels, mask)
     theirs = criterion(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), shape=(len(LENGTHS), T - 1))

@@ -21,9 +21,13 @@ def _run(tmp_path, steps: int = STEPS, post_hooks=None):
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="prv")
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=post_hooks,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+    )
     done = 0
     while done < steps:
         for x, y in dl:
@@ -43,9 +47,13 @@ def _fresh(post_hooks=None):
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="prv")
     gsm, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=post_hooks,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+    )
     return engine, gsm, opt
 
 
@@ -105,9 +113,13 @@ def test_denoiser_step_counter_also_bounds_the_history(tmp_path) -> None:
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="prv")
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[],
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=[],
+    )
     for x, y in dl:
         opt.zero_grad()
         nn.functional.mse_loss(gsm(x), y).backward()
@@ -118,9 +130,13 @@ def test_denoiser_step_counter_also_bounds_the_history(tmp_path) -> None:
     torch.manual_seed(0)
     m2 = mlp(hidden=32, d_out=4)
     gsm2, opt2, _ = engine2.make_private(
-        module=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[],
-    )  # fmt: skip
+        module=m2,
+        optimizer=torch.optim.SGD(m2.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=[],
+    )
     with pytest.raises(ValueError, match="records 4 updates"):
         engine2.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2)
 

@@ -58,9 +58,12 @@ def test_the_inner_optimizer_of_a_dp_optimizer_is_the_same_optimizer() -> None:
     x, y = batch(16, seed=5)
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     _, dp_opt, _ = engine.make_private(
-        module=model, optimizer=_opt(model), data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0,
-    )  # fmt: skip
+        module=model,
+        optimizer=_opt(model),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     ctrl = AlternationController(model, dp_opt, mode="none")  # nothing frozen: the second sees every factor
     for target in (dp_opt, dp_opt.original_optimizer):
         with pytest.raises(ValueError, match="already has an AlternationController"):

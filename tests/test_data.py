@@ -335,10 +335,31 @@ def test_demo_smoke_tiny(tmp_path: Path) -> None:
     from dp_bench.commands import demo
 
     res = demo.main(
-        ["--model", "tiny", "--steps", "2", "--batch-size", "32", "--physical-batch", "16", "--max-length", "12",
-         "--lora-layers", "1", "--eval-every", "1", "--tiny-train", "128", "--tiny-test", "64", "--epsilon", "2",
-         "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--batch-size",
+            "32",
+            "--physical-batch",
+            "16",
+            "--max-length",
+            "12",
+            "--lora-layers",
+            "1",
+            "--eval-every",
+            "1",
+            "--tiny-train",
+            "128",
+            "--tiny-test",
+            "64",
+            "--epsilon",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt", "dp-lora+rmt_paper"}
     for s in res["summary"].values():
         assert s["steps"] == 2 and 1.5 < s["epsilon"] <= 2.0 + 1e-6

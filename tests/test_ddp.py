@@ -42,8 +42,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wrapper: str) -> Non
         rec = Recorder()
         engine = PrivacyEngine(accountant="rdp")
         model, opt, dl = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(N, B),
-            noise_multiplier=NM, max_grad_norm=C, post_hooks=[rec],
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(N, B),
+            noise_multiplier=NM,
+            max_grad_norm=C,
+            post_hooks=[rec],
         )
         it = iter(dl)
         for zero in (True, False):  # step 0: zero clipped sum (pure noise); step 1: a real loss
@@ -63,8 +67,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wrapper: str) -> Non
 @pytest.mark.parametrize("wrapper", ["dpddp", "ddp"])
 def test_ddp_hook_sees_identical_post_allreduce_noise(tmp_path, wrapper):
     world = 2
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), wrapper), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, _free_port(), str(tmp_path), wrapper), nprocs=world, join=True, start_method="spawn"
+    )
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert r0["world"] == r1["world"] == 2

@@ -13,8 +13,28 @@ pytest.importorskip("opacus_spectral")
 from dp_bench.commands import demo  # noqa: E402
 from dp_bench.meta import RESULTS  # noqa: E402
 
-TINY = ["--model", "tiny", "--steps", "2", "--batch-size", "32", "--physical-batch", "16", "--max-length", "12",
-        "--lora-layers", "1", "--eval-every", "1", "--tiny-train", "128", "--tiny-test", "64", "--epsilon", "2"]
+TINY = [
+    "--model",
+    "tiny",
+    "--steps",
+    "2",
+    "--batch-size",
+    "32",
+    "--physical-batch",
+    "16",
+    "--max-length",
+    "12",
+    "--lora-layers",
+    "1",
+    "--eval-every",
+    "1",
+    "--tiny-train",
+    "128",
+    "--tiny-test",
+    "64",
+    "--epsilon",
+    "2",
+]
 ARMS = {"dp-lora", "dp-lora+rmt", "dp-lora+rmt_paper"}
 
 

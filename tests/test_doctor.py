@@ -29,8 +29,17 @@ def private(model, optimizer=None, *, mode="hooks", doctor="raise", nm=1.0, C=1.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)  # noise_seed: the paired runs need the same noise
         engine = PrivacyEngine(accountant="rdp", noise_seed=noise_seed)
-    out = engine.make_private(module=model, optimizer=optimizer, data_loader=token_loader(), noise_multiplier=nm,
-                              max_grad_norm=C, grad_sample_mode=mode, wrap_model=wrap, doctor=doctor, **kw)  # fmt: skip
+    out = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=token_loader(),
+        noise_multiplier=nm,
+        max_grad_norm=C,
+        grad_sample_mode=mode,
+        wrap_model=wrap,
+        doctor=doctor,
+        **kw,
+    )
     return engine, out
 
 
@@ -236,17 +245,24 @@ def test_switch_and_zero_effect_on_training():
     model = lora_model()
     engine, out = private(model, wrap=True)
     first = engine.doctor
-    engine.make_private(module=out[0], optimizer=sgd(model, 0.1), data_loader=token_loader(), noise_multiplier=1.0,
-                        max_grad_norm=1.0)  # fmt: skip
+    engine.make_private(
+        module=out[0], optimizer=sgd(model, 0.1), data_loader=token_loader(), noise_multiplier=1.0, max_grad_norm=1.0
+    )
     assert engine.doctor is not first and len(model._forward_pre_hooks) == 1  # the old doctor was removed
 
     engine = PrivacyEngine(accountant="rdp")
     model = lora_model()
     engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-        data_loader=token_loader(), target_epsilon=3.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0,
-        wrap_model=False, doctor="raise",
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=token_loader(),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=1,
+        max_grad_norm=1.0,
+        wrap_model=False,
+        doctor="raise",
+    )
     assert engine.doctor.mode == "raise"
     with pytest.raises(ValueError, match="doctor must be"):
         private(lora_model(), doctor="loud")

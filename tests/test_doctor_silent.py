@@ -56,10 +56,18 @@ def private(model, data, *, batch=16, doctor="raise", watch=True, opt=None, **kw
     """make_private with the doctor installed on the returned loader (the engine's wiring, spelled out)."""
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
     engine = PrivacyEngine(accountant="rdp")
-    out = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=batch),
-                              noise_multiplier=1.0, max_grad_norm=1.0, doctor=False, **kw)  # fmt: skip
-    doc = install_doctor(out[1], out[0], accountant=engine.accountant, mode=doctor,
-                         data_loader=out[-1] if watch else None)  # fmt: skip
+    out = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(data, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        doctor=False,
+        **kw,
+    )
+    doc = install_doctor(
+        out[1], out[0], accountant=engine.accountant, mode=doctor, data_loader=out[-1] if watch else None
+    )
     return engine, out, doc
 
 
@@ -124,8 +132,11 @@ def test_training_on_the_users_own_loader_is_caught():
 
     engine, out, doc = private(mlp(), data)
     before = [p.detach().clone() for p in out[0].parameters()]
-    with pytest.raises(DoctorError, match=r"\[sampling\]: DP step 1 trained on a batch the DP data loader did not yield"
-                       r".*q = 0\.0625.*iterate the data loader make_private returned"):  # fmt: skip
+    with pytest.raises(
+        DoctorError,
+        match=r"\[sampling\]: DP step 1 trained on a batch the DP data loader did not yield"
+        r".*q = 0\.0625.*iterate the data loader make_private returned",
+    ):
         train(out, own)
     assert all(torch.equal(a, b) for a, b in zip(before, out[0].parameters(), strict=True))  # raised before the update
 
@@ -145,8 +156,7 @@ def test_the_dp_loader_in_every_correct_form_is_silent():
     dp_loader = out[-1]
     sorted_batches = DataLoader(dp_loader.dataset, batch_sampler=dp_loader.batch_sampler)  # a loader over its sampler
     train(out, sorted_batches)
-    prefetching = DataLoader(dp_loader.dataset, batch_sampler=dp_loader.batch_sampler, num_workers=2,
-                             prefetch_factor=2)  # fmt: skip
+    prefetching = DataLoader(dp_loader.dataset, batch_sampler=dp_loader.batch_sampler, num_workers=2, prefetch_factor=2)
     train(out, prefetching, steps=3)  # drawn ahead, then the pass is abandoned
     train(out, out[-1])
     assert doc.findings == [] and doc.dp_steps == 4 * len(dp_loader) + 3
@@ -225,8 +235,11 @@ def test_a_second_optimizer_on_the_clean_gradient_is_caught():
     for second_cls, kw in ((torch.optim.SGD, {}), (torch.optim.AdamW, {"fused": True})):
         engine, out, doc = private(mlp(), data)
         second = second_cls(out[0].parameters(), lr=1e-3, **kw)
-        with pytest.raises(DoctorError, match=r"\[param_change\]: 4 parameter\(s\) changed before DP step 1 without a "
-                           r"noisy, accounted step.*second optimizer"):  # fmt: skip
+        with pytest.raises(
+            DoctorError,
+            match=r"\[param_change\]: 4 parameter\(s\) changed before DP step 1 without a "
+            r"noisy, accounted step.*second optimizer",
+        ):
             train(out, out[-1], second=second)
 
     engine, out, doc = private(mlp(), data)  # a manual edit through .data (invisible to autograd) after the forward
@@ -269,8 +282,14 @@ def test_parameter_change_is_reported_on_the_accelerator_without_a_sync(device):
     model = mlp().to(device)
     engine = PrivacyEngine(accountant="rdp")
     loader = DataLoader(TensorDataset(*(t.to(device) for t in data.tensors)), batch_size=16)
-    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-                              noise_multiplier=1.0, max_grad_norm=1.0, doctor="warn")  # fmt: skip
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        doctor="warn",
+    )
     second = torch.optim.SGD(model.parameters(), lr=1e-3)
     with pytest.warns(DoctorWarning, match="changed before DP step 1"):
         for _ in range(3):
@@ -296,8 +315,11 @@ def test_a_nan_record_without_a_pipeline():
 
     engine, out, doc = private(mlp(), nan_data(), batch=16)
     before = [p.detach().clone() for p in out[0].parameters()]
-    with pytest.raises(DoctorError, match=r"\[nonfinite\]: the noisy gradient of DP step 1 holds NaN/Inf in 4 "
-                       r"parameter\(s\).*aborted before the update.*on_nonfinite_grad='skip_step'"):  # fmt: skip
+    with pytest.raises(
+        DoctorError,
+        match=r"\[nonfinite\]: the noisy gradient of DP step 1 holds NaN/Inf in 4 "
+        r"parameter\(s\).*aborted before the update.*on_nonfinite_grad='skip_step'",
+    ):
         train(out, out[-1])
     assert all(torch.equal(a, b) for a, b in zip(before, out[0].parameters(), strict=True))
     assert all(p.grad is None for p in out[0].parameters())
@@ -348,10 +370,25 @@ def test_dptrainer_default_post_hooks_none_and_a_nan_record(tmp_path, doctor):
     from transformers import TrainingArguments
 
     model = TinyClassifier()
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=2, use_cpu=True,
-                             report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=0.1)  # fmt: skip
-    trainer = DPTrainer(model=model, args=args, train_dataset=Records(nan_data()), noise_multiplier=1.0,
-                        target_delta=1e-5, accountant="rdp", doctor=doctor)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=16,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=0.1,
+    )
+    trainer = DPTrainer(
+        model=model,
+        args=args,
+        train_dataset=Records(nan_data()),
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        accountant="rdp",
+        doctor=doctor,
+    )
     if doctor is False:  # the silent failure: every weight NaN, nothing said (the loss is not logged either)
         with warnings.catch_warnings():
             warnings.simplefilter("error", DoctorWarning)

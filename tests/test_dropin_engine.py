@@ -49,10 +49,16 @@ def data(d_in=6, classes=3, n=32, batch=8) -> DataLoader:
 def private(engine, model, *, mode="hooks", nm=1.0, **kw):
     """``make_private`` with explicit noise and sampling generators, so two engines draw the same."""
     return engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=data(model[0].in_features),
-        noise_multiplier=nm, max_grad_norm=1.0, grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(3),
-        **({"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}), **kw,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=data(model[0].in_features),
+        noise_multiplier=nm,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        noise_generator=torch.Generator().manual_seed(3),
+        **({"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}),
+        **kw,
+    )
 
 
 def train(out, mode, steps=3) -> None:

@@ -30,8 +30,13 @@ def _private_mlp(post_hooks=None, *, model=None, **kwargs):
     model = model or mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=post_hooks, **kwargs,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+        **kwargs,
     )
     return engine, gsm, dp_opt, dl, model
 
@@ -43,8 +48,9 @@ def _hand_built_dp_optimizer():
 
     torch.manual_seed(0)
     model = GradSampleModule(mlp(hidden=32, d_out=4))
-    dp_opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C,
-                         expected_batch_size=16)
+    dp_opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=NM, max_grad_norm=C, expected_batch_size=16
+    )
     return model, dp_opt
 
 
@@ -121,8 +127,12 @@ def test_batch_memory_manager_runs_pipeline_once_per_logical_step():
     rec = Recorder()
     engine = PrivacyEngine(accountant="rdp")
     model, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader(256, 64, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=[rec],
+        module=model,
+        optimizer=opt,
+        data_loader=loader(256, 64, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=[rec],
     )
     inner_steps = 0
 
@@ -245,8 +255,14 @@ def test_make_private_with_epsilon_installs_hooks_and_keeps_them_out_of_opacus_k
     rec = Recorder()
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=C, post_hooks=[rec],
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=C,
+        post_hooks=[rec],
     )
     _step(gsm, dp_opt, dl)
     assert len(rec.seen) == 1
@@ -325,8 +341,13 @@ def test_fsdp_is_refused_clearly():
     model = mlp(hidden=32, d_out=4)
     with pytest.raises(NotImplementedError, match="FSDP"):
         PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-            noise_multiplier=NM, max_grad_norm=C, grad_sample_mode="ghost_fsdp", post_hooks=["rmt"],
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=NM,
+            max_grad_norm=C,
+            grad_sample_mode="ghost_fsdp",
+            post_hooks=["rmt"],
         )
 
 
@@ -406,8 +427,12 @@ def test_checkpoint_keeps_stateful_denoiser_state(tmp_path):
         model = mlp(hidden=32, d_out=4)
         engine = PrivacyEngine(accountant="rdp")
         gsm, dp_opt, dl = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-            noise_multiplier=NM, max_grad_norm=C, post_hooks=[Counter()],
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=NM,
+            max_grad_norm=C,
+            post_hooks=[Counter()],
         )
         return engine, gsm, dp_opt, dl
 
@@ -428,21 +453,40 @@ def test_checkpoint_keeps_stateful_denoiser_state(tmp_path):
 
 @pytest.mark.parametrize(
     "clipping, bad",
-    [("flat", 0.0), ("flat", -1.0), ("flat", float("inf")), ("flat", float("nan")), ("flat", True), ("flat", "1"),
-     ("per_layer", [1.0, 0.0, 1.0, 1.0]), ("per_layer", [1.0, float("inf"), 1.0, 1.0]), ("per_layer", []),
-     ("adaptive", 0.0)],
-)  # fmt: skip
+    [
+        ("flat", 0.0),
+        ("flat", -1.0),
+        ("flat", float("inf")),
+        ("flat", float("nan")),
+        ("flat", True),
+        ("flat", "1"),
+        ("per_layer", [1.0, 0.0, 1.0, 1.0]),
+        ("per_layer", [1.0, float("inf"), 1.0, 1.0]),
+        ("per_layer", []),
+        ("adaptive", 0.0),
+    ],
+)
 @pytest.mark.parametrize("entry", ["make_private", "make_private_with_epsilon"])
 def test_max_grad_norm_must_be_finite_and_positive(clipping, bad, entry):
     """Upstream: 0 trains nothing while ε is accounted, inf gives non-finite weights, -1 a raw torch error."""
     torch.manual_seed(0)
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
-    common = {"module": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
-              "data_loader": loader(64, 16, d_out=4), "max_grad_norm": bad, "clipping": clipping}  # fmt: skip
+    common = {
+        "module": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "data_loader": loader(64, 16, d_out=4),
+        "max_grad_norm": bad,
+        "clipping": clipping,
+    }
     if clipping == "adaptive":
-        common.update(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
-                      min_clipbound=0.01, unclipped_num_std=2.0)  # fmt: skip
+        common.update(
+            target_unclipped_quantile=0.5,
+            clipbound_learning_rate=0.2,
+            max_clipbound=10.0,
+            min_clipbound=0.01,
+            unclipped_num_std=2.0,
+        )
     with pytest.raises(ValueError, match=r"max_grad_norm must be a finite number > 0.*got"):
         if entry == "make_private":
             engine.make_private(noise_multiplier=NM, **common)
@@ -457,9 +501,12 @@ def test_max_grad_norm_zero_upstream_trains_nothing_while_epsilon_grows():
     before = [p.detach().clone() for p in model.parameters()]
     engine = opacus.PrivacyEngine(accountant="rdp")
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=0.0,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=0.0,
+    )
     x, y = next(iter(dl))
     opt.zero_grad()
     nn.functional.mse_loss(gsm(x), y).backward()

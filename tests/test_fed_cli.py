@@ -156,8 +156,20 @@ def test_federate_a_users_model_and_data(tmp_path, fmt):
     from peft_lalora.federated.task import build_task
 
     model_dir, data = _user_model_and_data(tmp_path, fmt)
-    user = ["--model", str(model_dir), "--data", str(data), "--text-column", "review", "--label-column", "sentiment",
-            "--group-column", "film", "--seq-len", "8"]  # fmt: skip
+    user = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--text-column",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--group-column",
+        "film",
+        "--seq-len",
+        "8",
+    ]
     args = build_parser().parse_args(["federate", *user, "--partition", "group", "--num-clients", "3"])
     cfg = config_from_args(args)
     task = build_task(cfg)
@@ -169,8 +181,27 @@ def test_federate_a_users_model_and_data(tmp_path, fmt):
     films = [set(task.train.with_format(None).select(ix)["film"]) for ix in part.indices]
     assert all(not (a & b) for i, a in enumerate(films) for b in films[i + 1 :])  # every film on one client
     out = tmp_path / "res.json"
-    rc = main(["federate", *user, "--num-clients", "2", "--alpha", "1", "--rounds", "2", "--local-steps", "2",
-               "--batch-size", "8", "--epsilon", "3", "--no-progress", "--out", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "federate",
+            *user,
+            "--num-clients",
+            "2",
+            "--alpha",
+            "1",
+            "--rounds",
+            "2",
+            "--local-steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--epsilon",
+            "3",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["config"]["model"] == str(model_dir) and len(res["accuracy"]) == 3
@@ -180,13 +211,25 @@ def test_federate_a_users_model_and_data(tmp_path, fmt):
 
 def test_server_side_bounds_and_insecure_flag_reach_the_runner(tmp_path, monkeypatch):
     args = build_parser().parse_args(
-        ["federate", "--max-update-norm", "2.5", "--update-norm-policy", "reject", "--aggregation", "trimmed_mean",
-         "--trim-fraction", "0.25"]  # fmt: skip
+        [
+            "federate",
+            "--max-update-norm",
+            "2.5",
+            "--update-norm-policy",
+            "reject",
+            "--aggregation",
+            "trimmed_mean",
+            "--trim-fraction",
+            "0.25",
+        ]
     )
     cfg = config_from_args(args)
     assert (cfg.max_update_norm, cfg.update_norm_policy, cfg.aggregation, cfg.trim_fraction) == (
-        2.5, "reject", "trimmed_mean", 0.25,
-    )  # fmt: skip
+        2.5,
+        "reject",
+        "trimmed_mean",
+        0.25,
+    )
     seen = {}
 
     def fake_run_flower(cfg, **kw):

@@ -44,8 +44,11 @@ def _unwritable(tmp_path: Path) -> Path:
 def test_bad_out_fails_before_training(case, runner, tmp_path, capsys, no_training):
     (tmp_path / "file.txt").write_text("x")
     out = {"a folder": tmp_path, "under a file": tmp_path / "file.txt" / "r.json", "unwritable": _unwritable(tmp_path)}
-    expected = {"a folder": "is a folder", "under a file": f"{tmp_path / 'file.txt'} is a file, not a folder",
-                "unwritable": "cannot write"}  # fmt: skip
+    expected = {
+        "a folder": "is a folder",
+        "under a file": f"{tmp_path / 'file.txt'} is a file, not a folder",
+        "unwritable": "cannot write",
+    }
     assert main([*TINY, "--runner", runner, "--out", str(out[case])]) == 2
     err = capsys.readouterr().err
     assert f"--out {out[case]}: {expected[case]}" in err and "Traceback" not in err

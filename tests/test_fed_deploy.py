@@ -44,12 +44,25 @@ def test_insecure_flag_builds_the_old_command_lines_and_warns(tmp_path):
     assert str(rec[0].message) == INSECURE_WARNING and "unauthenticated" in INSECURE_WARNING
     assert fed.tls is None
     assert fed.superlink_command() == [
-        "flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
-        "--host", "127.0.0.1", "--port", str(fed.port),
+        "flower-superlink",
+        "--insecure",
+        "--disable-runtime-dependency-installation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(fed.port),
     ]
     assert fed.supernode_command(1, 9101) == [
-        "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{fed.port}",
-        "--node-config", "num-partitions=2", "--host", "127.0.0.1", "--port", "9101",
+        "flower-supernode",
+        "--insecure",
+        "--superlink",
+        f"127.0.0.1:{fed.port}",
+        "--node-config",
+        "num-partitions=2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9101",
     ]
     assert fed.config_toml() == (
         f'[superlink]\ndefault = "lalora-local"\n\n[superlink.lalora-local]\n'
@@ -69,18 +82,33 @@ def test_secure_is_the_default_and_its_command_lines(tmp_path):
     assert fed.tls == TLSConfig(cred / "ca.pem", cred / "server.pem", cred / "server.key")
     assert fed.superlink_command() == [
         "flower-superlink",
-        "--ssl-ca-certfile", str(cred / "ca.pem"),
-        "--ssl-certfile", str(cred / "server.pem"),
-        "--ssl-keyfile", str(cred / "server.key"),
+        "--ssl-ca-certfile",
+        str(cred / "ca.pem"),
+        "--ssl-certfile",
+        str(cred / "server.pem"),
+        "--ssl-keyfile",
+        str(cred / "server.key"),
         "--enable-supernode-auth",
-        "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(fed.port),
+        "--disable-runtime-dependency-installation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(fed.port),
     ]
     assert fed.supernode_command(0, 9100, cred / "supernode-0") == [
         "flower-supernode",
-        "--root-certificates", str(cred / "ca.pem"),
-        "--auth-supernode-private-key", str(cred / "supernode-0"),
-        "--superlink", f"127.0.0.1:{fed.port}",
-        "--node-config", "num-partitions=2", "--host", "127.0.0.1", "--port", "9100",
+        "--root-certificates",
+        str(cred / "ca.pem"),
+        "--auth-supernode-private-key",
+        str(cred / "supernode-0"),
+        "--superlink",
+        f"127.0.0.1:{fed.port}",
+        "--node-config",
+        "num-partitions=2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9100",
     ]
     assert fed.config_toml().endswith(
         f'address = "127.0.0.1:{fed.port}"\nroot-certificates = "{cred / "ca.pem"}"\ninsecure = false\n'
@@ -193,8 +221,16 @@ def test_secure_superlink_speaks_only_tls(tmp_path):
         untrusting.close()
         # an --insecure (plain-HTTP) SuperNode cannot join
         argv = [
-            "flower-supernode", "--insecure", "--max-retries", "0",
-            "--superlink", f"127.0.0.1:{fed.port}", "--host", "127.0.0.1", "--port", str(free_port()),
+            "flower-supernode",
+            "--insecure",
+            "--max-retries",
+            "0",
+            "--superlink",
+            f"127.0.0.1:{fed.port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
         ]
         proc = fed.spawn("plain-supernode", argv)
         assert proc.wait(timeout=30) != 0

@@ -20,8 +20,19 @@ from peft_lalora.federated.federation import build_evaluator, build_task  # noqa
 
 FROZEN1 = '{"frozen_layers": 1}'
 CFG = dict(
-    task="dp_bench.task:tiny", algo="la-lora", filter="none", num_clients=3, alpha=0.5, rounds=2, local_steps=2,
-    batch_size=8, epsilon=2.0, n_train=96, n_test=48, seed=3, reproducible_noise=True,
+    task="dp_bench.task:tiny",
+    algo="la-lora",
+    filter="none",
+    num_clients=3,
+    alpha=0.5,
+    rounds=2,
+    local_steps=2,
+    batch_size=8,
+    epsilon=2.0,
+    n_train=96,
+    n_test=48,
+    seed=3,
+    reproducible_noise=True,
 )
 
 

@@ -48,36 +48,85 @@ _GOOD_JSONL = [json.dumps({"review": t, "sentiment": y}) for t, y in _good_rows(
 
 # name -> (file name, content, extra flags, fragments the one error line must contain)
 CASES = {
-    "ragged row, extra field": ("r.csv", _csv([*_GOOD_CSV[:3], "bad,neg,extra", *_GOOD_CSV[3:]]), [],
-                                ["r.csv:5:", "record 4", "3 fields", "'sentiment'"]),
-    "ragged row, missing field": ("r.csv", _csv([*_GOOD_CSV[:2], "the plot was bad", *_GOOD_CSV[2:]]), [],
-                                  ["r.csv:4:", "record 3", "no cell for column(s) 'sentiment'"]),
-    "unterminated quote": ("q.csv", _csv([*_GOOD_CSV[:2], '"the plot was bad,neg', *_GOOD_CSV[2:]]), [],
-                           ["q.csv:4:", "record 3", "column 'review'", "never closes"]),
-    "invalid JSONL line": ("j.jsonl", _jsonl([*_GOOD_JSONL[:1], '{"review": "bad", "sentiment": ', *_GOOD_JSONL[1:]]),
-                           [], ["j.jsonl:2:", "record 2", "invalid JSON"]),
-    "record of another schema": ("s.jsonl", _jsonl([*_GOOD_JSONL[:2], json.dumps({"text": "bad", "label": 0}),
-                                                    *_GOOD_JSONL[2:]]),
-                                 [], ["s.jsonl:3:", "record 3", "no 'review' field (text column)"]),
-    "JSONL labels of two kinds": ("k.jsonl", _jsonl([*_GOOD_JSONL[:3], json.dumps({"review": "bad", "sentiment": 1}),
-                                                     *_GOOD_JSONL[3:]]),
-                                  [], ["k.jsonl:4:", "record 4", "column 'sentiment'", "is an integer"]),
-    "empty text cell": ("e.csv", _csv([*_GOOD_CSV[:1], ",neg", *_GOOD_CSV[1:]]), [],
-                        ["e.csv:3:", "record 2", "empty text cell, column 'review'"]),
-    "empty label cell": ("e.csv", _csv([*_GOOD_CSV[:4], "the plot was bad,", *_GOOD_CSV[4:]]), [],
-                         ["e.csv:6:", "record 5", "empty label cell, column 'sentiment'"]),
-    "empty JSONL text": ("e.jsonl", _jsonl([*_GOOD_JSONL[:1], json.dumps({"review": " ", "sentiment": "pos"}),
-                                            *_GOOD_JSONL[1:]]),
-                         [], ["e.jsonl:2:", "record 2", "empty text cell, column 'review'"]),
-    "NA read as missing": ("n.csv", _csv([*_GOOD_CSV[:6], "NA,pos", *_GOOD_CSV[6:]]), [],
-                           ["n.csv", "record 7", "column 'review'", "NA"]),
-    "float labels": ("f.csv", _csv([f"{t},{0.5 * (i % 3)}" for i, (t, _) in enumerate(_good_rows())]), [],
-                     ["f.csv", "record 2", "column 'sentiment'", "floats"]),
-    "same text and label column": ("c.csv", _csv(_GOOD_CSV), ["--label-column", "review"],
-                                   ["--text-column and --label-column are both 'review'"]),
-    "missing column": ("m.csv", _csv(_GOOD_CSV), ["--group-column", "film", "--partition", "group"],
-                       ["m.csv:1:", "column 'film' (--group-column)", "not in the header"]),
-}  # fmt: skip
+    "ragged row, extra field": (
+        "r.csv",
+        _csv([*_GOOD_CSV[:3], "bad,neg,extra", *_GOOD_CSV[3:]]),
+        [],
+        ["r.csv:5:", "record 4", "3 fields", "'sentiment'"],
+    ),
+    "ragged row, missing field": (
+        "r.csv",
+        _csv([*_GOOD_CSV[:2], "the plot was bad", *_GOOD_CSV[2:]]),
+        [],
+        ["r.csv:4:", "record 3", "no cell for column(s) 'sentiment'"],
+    ),
+    "unterminated quote": (
+        "q.csv",
+        _csv([*_GOOD_CSV[:2], '"the plot was bad,neg', *_GOOD_CSV[2:]]),
+        [],
+        ["q.csv:4:", "record 3", "column 'review'", "never closes"],
+    ),
+    "invalid JSONL line": (
+        "j.jsonl",
+        _jsonl([*_GOOD_JSONL[:1], '{"review": "bad", "sentiment": ', *_GOOD_JSONL[1:]]),
+        [],
+        ["j.jsonl:2:", "record 2", "invalid JSON"],
+    ),
+    "record of another schema": (
+        "s.jsonl",
+        _jsonl([*_GOOD_JSONL[:2], json.dumps({"text": "bad", "label": 0}), *_GOOD_JSONL[2:]]),
+        [],
+        ["s.jsonl:3:", "record 3", "no 'review' field (text column)"],
+    ),
+    "JSONL labels of two kinds": (
+        "k.jsonl",
+        _jsonl([*_GOOD_JSONL[:3], json.dumps({"review": "bad", "sentiment": 1}), *_GOOD_JSONL[3:]]),
+        [],
+        ["k.jsonl:4:", "record 4", "column 'sentiment'", "is an integer"],
+    ),
+    "empty text cell": (
+        "e.csv",
+        _csv([*_GOOD_CSV[:1], ",neg", *_GOOD_CSV[1:]]),
+        [],
+        ["e.csv:3:", "record 2", "empty text cell, column 'review'"],
+    ),
+    "empty label cell": (
+        "e.csv",
+        _csv([*_GOOD_CSV[:4], "the plot was bad,", *_GOOD_CSV[4:]]),
+        [],
+        ["e.csv:6:", "record 5", "empty label cell, column 'sentiment'"],
+    ),
+    "empty JSONL text": (
+        "e.jsonl",
+        _jsonl([*_GOOD_JSONL[:1], json.dumps({"review": " ", "sentiment": "pos"}), *_GOOD_JSONL[1:]]),
+        [],
+        ["e.jsonl:2:", "record 2", "empty text cell, column 'review'"],
+    ),
+    "NA read as missing": (
+        "n.csv",
+        _csv([*_GOOD_CSV[:6], "NA,pos", *_GOOD_CSV[6:]]),
+        [],
+        ["n.csv", "record 7", "column 'review'", "NA"],
+    ),
+    "float labels": (
+        "f.csv",
+        _csv([f"{t},{0.5 * (i % 3)}" for i, (t, _) in enumerate(_good_rows())]),
+        [],
+        ["f.csv", "record 2", "column 'sentiment'", "floats"],
+    ),
+    "same text and label column": (
+        "c.csv",
+        _csv(_GOOD_CSV),
+        ["--label-column", "review"],
+        ["--text-column and --label-column are both 'review'"],
+    ),
+    "missing column": (
+        "m.csv",
+        _csv(_GOOD_CSV),
+        ["--group-column", "film", "--partition", "group"],
+        ["m.csv:1:", "column 'film' (--group-column)", "not in the header"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,9 +134,27 @@ def test_bad_table_is_a_one_line_error_naming_file_line_and_column(case, model_d
     name, content, extra, fragments = CASES[case]
     data = tmp_path / name
     data.write_text(content)
-    argv = ["federate", "--model", str(model_dir), "--data", str(data), "--text-column", "review",
-            "--label-column", "sentiment", *extra, "--num-clients", "2", "--rounds", "1", "--seq-len", "8",
-            "--no-progress", "--out", str(tmp_path / "res.json")]  # fmt: skip
+    argv = [
+        "federate",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--text-column",
+        "review",
+        "--label-column",
+        "sentiment",
+        *extra,
+        "--num-clients",
+        "2",
+        "--rounds",
+        "1",
+        "--seq-len",
+        "8",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "res.json"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -104,8 +171,19 @@ def test_saved_dataset_with_a_missing_text_is_named_by_record(model_dir, tmp_pat
     texts = [t for t, _ in rows]
     texts[4] = None
     datasets.Dataset.from_dict({"review": texts, "sentiment": [y for _, y in rows]}).save_to_disk(str(tmp_path / "d"))
-    argv = ["federate", "--model", str(model_dir), "--data", str(tmp_path / "d"), "--text-column", "review",
-            "--label-column", "sentiment", "--out", str(tmp_path / "res.json")]  # fmt: skip
+    argv = [
+        "federate",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(tmp_path / "d"),
+        "--text-column",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--out",
+        str(tmp_path / "res.json"),
+    ]
     assert main(argv) == 2
     assert "record 5: empty or missing text cell, column 'review'" in capsys.readouterr().err
 
@@ -116,8 +194,9 @@ def test_valid_csv_with_quotes_and_blank_lines_still_loads(model_dir, tmp_path):
 
     rows = [f'"{t}, really",{y}' for t, y in _good_rows()] + ["", '"the ""plot"" was\nbad",neg']
     (tmp_path / "ok.csv").write_text(_csv(rows))
-    cfg = FederationConfig(model=str(model_dir), data=str(tmp_path / "ok.csv"), text_column="review",
-                           label_column="sentiment", seq_len=8)  # fmt: skip
+    cfg = FederationConfig(
+        model=str(model_dir), data=str(tmp_path / "ok.csv"), text_column="review", label_column="sentiment", seq_len=8
+    )
     task = build_task(cfg)
     assert len(task.train) + len(task.test) == 13 and task.num_labels == 2
 
@@ -129,8 +208,9 @@ def _tokenizers(model_dir):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([" ".join(WORDS) + ", the plot!"] * 50, vocab_size=300, min_frequency=1,
-                            special_tokens=["<pad>"])  # fmt: skip
+    bpe.train_from_iterator(
+        [" ".join(WORDS) + ", the plot!"] * 50, vocab_size=300, min_frequency=1, special_tokens=["<pad>"]
+    )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>")  # the tokenizers.Tokenizer
     return {"wordpiece": AutoTokenizer.from_pretrained(model_dir), "bpe": wrapped}
 
@@ -166,8 +246,14 @@ def test_a_huge_cell_is_not_tokenized_whole(model_dir, tmp_path):
     rows = [*_good_rows(), (huge, "pos")]
     with (tmp_path / "big.csv").open("w") as f:
         f.write("review,sentiment\n" + "".join(f"{t},{y}\n" for t, y in rows))
-    cfg = FederationConfig(model=str(model_dir), data=str(tmp_path / "big.csv"), text_column="review",
-                           label_column="sentiment", seq_len=16, test_fraction=0.25)  # fmt: skip
+    cfg = FederationConfig(
+        model=str(model_dir),
+        data=str(tmp_path / "big.csv"),
+        text_column="review",
+        label_column="sentiment",
+        seq_len=16,
+        test_fraction=0.25,
+    )
     t0 = time.perf_counter()
     task = build_task(cfg)  # reads, checks and tokenizes both splits
     ids = [*task.train.with_format(None)["input_ids"], *task.test.with_format(None)["input_ids"]]

@@ -28,8 +28,18 @@ from peft_lalora.federated.ledger import InadmissibleReport, PrivacyLedger, epsi
 from peft_lalora.federated.replies import NONPRIVATE_METRICS, REPLY_METRICS  # noqa: E402
 
 DELTA = 1e-5
-CFG = dict(task="test_fed_privacy:guarded_task", num_clients=3, alpha=1.0, rounds=2, local_steps=2, batch_size=8,
-           n_train=72, n_test=24, epsilon=5.0, seed=3)  # fmt: skip
+CFG = dict(
+    task="test_fed_privacy:guarded_task",
+    num_clients=3,
+    alpha=1.0,
+    rounds=2,
+    local_steps=2,
+    batch_size=8,
+    n_train=72,
+    n_test=24,
+    epsilon=5.0,
+    seed=3,
+)
 #: who is running: the guarded task's training data may be loaded by anyone but the server
 ROLE = {"now": "operator"}
 
@@ -85,17 +95,28 @@ def _run_server_app(tmp_path, monkeypatch, cfg):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    grid_cls = type("LoopbackGrid", (_Loopback, Grid), {"set_run": lambda s, r: None, "run": None,
-                    "create_message": None, "push_messages": None, "pull_messages": None})  # fmt: skip
+    grid_cls = type(
+        "LoopbackGrid",
+        (_Loopback, Grid),
+        {
+            "set_run": lambda s, r: None,
+            "run": None,
+            "create_message": None,
+            "push_messages": None,
+            "pull_messages": None,
+        },
+    )
     planned, _ = planned_config(cfg, build_task(cfg))  # the operator's process computes the plan
     run_config = {**planned.to_dict(), "result-path": str(tmp_path / "r.json"), "state-path": str(tmp_path / "s.pt")}
-    contexts = {n: Context(run_id=7, node_id=n, node_config={}, state=RecordDict(), run_config=run_config)
-                for n in (11, 12, 13)}  # fmt: skip
+    contexts = {
+        n: Context(run_id=7, node_id=n, node_config={}, state=RecordDict(), run_config=run_config) for n in (11, 12, 13)
+    }
     grid = grid_cls(contexts)
     ROLE["now"] = "server"
     try:
-        flower_app.server_app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
-                                            run_config=run_config))  # fmt: skip
+        flower_app.server_app(
+            grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+        )
     finally:
         ROLE["now"] = "operator"
     return grid, json.loads((tmp_path / "r.json").read_text()), torch.load(tmp_path / "s.pt")
@@ -187,8 +208,9 @@ def test_simulation_replies_carry_no_noise_free_statistic_by_default(monkeypatch
 def test_release_nonprivate_stats_and_publish_label_counts_are_opt_ins(monkeypatch, tmp_path):
     from peft_lalora.federated.replies import reply_metrics
 
-    cfg = FederationConfig(**{**CFG, "task": "dp_bench.task:tiny", "release_nonprivate_stats": True,
-                              "publish_label_counts": True})  # fmt: skip
+    cfg = FederationConfig(
+        **{**CFG, "task": "dp_bench.task:tiny", "release_nonprivate_stats": True, "publish_label_counts": True}
+    )
     res, seen = _simulation_replies(monkeypatch, cfg)
     assert all(isinstance(r["loss"], float) and math.isfinite(r["loss"]) for r in seen)
     out = res.to_json()
@@ -216,8 +238,15 @@ def strategy(monkeypatch):
         monkeypatch.setattr(TaskIdentity, attr, value)
 
     def make(accountant):
-        cfg = FederationConfig(task="dp_bench.task:tiny", num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0,
-                               accountant=accountant, max_update_norm=1e3)  # fmt: skip  (synthetic +1 updates)
+        cfg = FederationConfig(
+            task="dp_bench.task:tiny",
+            num_clients=2,
+            local_steps=3,
+            epsilon=0,
+            noise_multiplier=1.0,
+            accountant=accountant,
+            max_update_norm=1e3,
+        )  # synthetic +1 updates
         g0 = {"a": torch.zeros(2, 3), "b": torch.ones(3)}
         server = FederationServer(cfg, g0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
         strat = flower_app.LALoraStrategy(server, {0: 12, 1: 77})
@@ -245,14 +274,18 @@ def _reply(sent_msg, state, pid, sigma, q, steps):
         ("rdp", 1.0, math.inf, "malformed accountant history"),
     ],
 )
-def test_a_reply_claiming_unbounded_or_noise_free_steps_is_refused_before_the_ledger(strategy, accountant, sigma,
-                                                                                     steps, reason):  # fmt: skip
+def test_a_reply_claiming_unbounded_or_noise_free_steps_is_refused_before_the_ledger(
+    strategy, accountant, sigma, steps, reason
+):
     strat, sent, g0 = strategy(accountant)
     shifted = {k: v + 1 for k, v in g0.items()}
     t0 = time.perf_counter()
     arrays, metrics = strat.aggregate_train(
-        1, [_reply(sent[12], shifted, 0, 1.0, 0.1, 3), _reply(sent[77], {k: v + 9 for k, v in g0.items()}, 1,
-                                                              sigma, 0.25, steps)]  # fmt: skip
+        1,
+        [
+            _reply(sent[12], shifted, 0, 1.0, 0.1, 3),
+            _reply(sent[77], {k: v + 9 for k, v in g0.items()}, 1, sigma, 0.25, steps),
+        ],
     )
     assert time.perf_counter() - t0 < 20  # no accountant ran on the claimed count (PRV on 1e9 steps: MemoryError)
     for k in g0:  # only the honest update
@@ -319,8 +352,16 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch):
     model_dir, csv = _user_model_and_data(tmp_path, "csv")
     own = tmp_path / "node.csv"
     own.write_text("\n".join(csv.read_text().splitlines()[:26]))  # header + 25 rows
-    cfg = FederationConfig(model=str(model_dir), data=str(csv), text_column="review", label_column="sentiment",
-                           seq_len=8, num_clients=2, partition="iid", partition_sizes="25,24")  # fmt: skip
+    cfg = FederationConfig(
+        model=str(model_dir),
+        data=str(csv),
+        text_column="review",
+        label_column="sentiment",
+        seq_len=8,
+        num_clients=2,
+        partition="iid",
+        partition_sizes="25,24",
+    )
     ctx = Context(run_id=1, node_id=5, node_config={"data": str(own)}, state=RecordDict(), run_config={})
     _, rows = flower_app._local_data(cfg, ctx, 0)
     assert len(rows) == 25

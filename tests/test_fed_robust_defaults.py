@@ -35,8 +35,11 @@ def _norm(a, b) -> float:
 
 # ---------------------------------------------------------------------------------------------- trimmed mean
 def test_a_trimmed_mean_that_trims_nothing_is_a_config_error_naming_what_it_needs():
-    with pytest.raises(ValueError, match=r"8 of num_clients=8 .* int\(0\.1·8\) = 0 .* needs at least 10 clients per "
-                                         r"round, or trim_fraction >= 0\.125"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"8 of num_clients=8 .* int\(0\.1·8\) = 0 .* needs at least 10 clients per "
+        r"round, or trim_fraction >= 0\.125",
+    ):
         FederationConfig(aggregation="trimmed_mean", num_clients=8)
     with pytest.raises(ValueError, match=r"5 of num_clients=10 .* needs at least 10 clients per round"):
         FederationConfig(aggregation="trimmed_mean", num_clients=10, fraction=0.5)
@@ -48,8 +51,11 @@ def test_a_trimmed_mean_that_trims_nothing_is_a_config_error_naming_what_it_need
 
 def test_a_trimmed_mean_that_trims_nothing_fails_the_aggregation_instead_of_averaging_the_outlier():
     """Five updates at trim 0.1: before, int(0.5) = 0 were trimmed and the 1e6 update moved the mean by 2e5."""
-    with pytest.raises(AggregationError, match=r"int\(0\.1·5\) = 0 .* needs at least 10 clients per round, or "
-                                               r"trim_fraction >= 0\.2"):  # fmt: skip
+    with pytest.raises(
+        AggregationError,
+        match=r"int\(0\.1·5\) = 0 .* needs at least 10 clients per round, or "
+        r"trim_fraction >= 0\.2",
+    ):
         fedavg([*HONEST, EVIL], global_state=G0, rule="trimmed_mean")
     # rejections count: 5 sent, one NaN, 4 valid at trim 0.2 trims int(0.8) = 0
     nan = {k: torch.full_like(v, math.nan) for k, v in G0.items()}
@@ -86,8 +92,19 @@ def tiny_task():
     return build_task(FederationConfig(**ROBUST))
 
 
-ROBUST = dict(task=TINY, num_clients=3, rounds=2, local_steps=3, batch_size=8, n_train=48, n_test=16, alpha=1.0,
-              epsilon=5.0, seed=2, filter="binomial5")  # fmt: skip
+ROBUST = dict(
+    task=TINY,
+    num_clients=3,
+    rounds=2,
+    local_steps=3,
+    batch_size=8,
+    n_train=48,
+    n_test=16,
+    alpha=1.0,
+    epsilon=5.0,
+    seed=2,
+    filter="binomial5",
+)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -114,8 +131,9 @@ def test_an_absurd_update_is_bounded_by_default_and_no_honest_one_is_clipped(opt
     states = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = simulation_mod.run_simulation(cfg, progress=False, task=tiny_task,
-                                            on_round=lambda r, s: states.append(dict(s)))  # fmt: skip
+        res = simulation_mod.run_simulation(
+            cfg, progress=False, task=tiny_task, on_round=lambda r, s: states.append(dict(s))
+        )
     assert [r.clipped for r in res.rounds] == [[2], [2]]  # the absurd client every round, never an honest one
     assert all(r.update_bound > 0 and r.error is None for r in res.rounds)
     # a weighted mean of updates no longer than the bound moves the global adapter by at most the bound
@@ -138,8 +156,9 @@ def test_the_default_bound_follows_the_run_and_no_bound_at_all_warns():
     assert expected == pytest.approx(core + rounding, rel=1e-12)
     assert _norm(server.global_state, G0) <= expected
     with pytest.warns(RuntimeWarning, match="no server-side update bound"):  # the old default, now an opt-out
-        unbounded = FederationServer(FederationConfig(**{**cfg.to_dict(), "auto_update_norm": False}), G0, sizes,
-                                     privacy)  # fmt: skip
+        unbounded = FederationServer(
+            FederationConfig(**{**cfg.to_dict(), "auto_update_norm": False}), G0, sizes, privacy
+        )
     unbounded.start_round(1)
     for c, d in ((0, 0.01), (1, 1e4)):
         unbounded.receive(c, state={k: v + d for k, v in G0.items()}, history=[(1.0, privacy[c][1], 3)])
@@ -166,8 +185,9 @@ def test_meta_and_sparse_updates_are_rejected_naming_the_client_and_the_tensor(m
             res = fedavg([bad, HONEST[1]], global_state=global_state, client_ids=["bad", "ok"])
             assert [(r.client, reason in r.reason) for r in res.rejected] == [("bad", True)]
             assert res.accepted == [1] and all(v.device.type == "cpu" for v in res.state.values())
-        server = FederationServer(FederationConfig(task=TINY, num_clients=2, epsilon=0), G0, [30, 10],
-                                  {0: (1.0, 0.1), 1: (1.0, 0.25)})  # fmt: skip
+        server = FederationServer(
+            FederationConfig(task=TINY, num_clients=2, epsilon=0), G0, [30, 10], {0: (1.0, 0.1), 1: (1.0, 0.25)}
+        )
         server.start_round(1)
         server.receive(0, state=bad, history=[(1.0, 0.1, 5)])
         record = server.finish_round()

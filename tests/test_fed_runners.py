@@ -89,8 +89,16 @@ def test_rolora_first_federated_round_trains_first_factor():
     """Runners number rounds from 1: round 1 must train first_factor (B) only, round 2 the other one."""
     first, other = "B", "A"
     cfg = FederationConfig(
-        **{**CFG, "algo": "rolora", "first_factor": first, "filter": "none", "local_steps": 1, "n_train": 48,
-           "n_test": 16, "reproducible_noise": False}
+        **{
+            **CFG,
+            "algo": "rolora",
+            "first_factor": first,
+            "filter": "none",
+            "local_steps": 1,
+            "n_train": 48,
+            "n_test": 16,
+            "reproducible_noise": False,
+        }
     )
     g0 = build_evaluator(cfg, build_task(cfg)).initial_state()
     states = []
@@ -266,8 +274,15 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     strategy.configure_train(1, ArrayRecord(g0), ConfigRecord(), grid=None)
 
     def reply(node, state, pid, steps=2, **drop):
-        metrics = {"partition-id": pid, "num-examples": 10, "train-loss": 0.5, "epsilon": 1.0,
-                   "dp-sigma": [1.0], "dp-q": [0.1], "dp-steps": [steps]}
+        metrics = {
+            "partition-id": pid,
+            "num-examples": 10,
+            "train-loss": 0.5,
+            "epsilon": 1.0,
+            "dp-sigma": [1.0],
+            "dp-q": [0.1],
+            "dp-steps": [steps],
+        }
         metrics = {k: v for k, v in metrics.items() if k not in drop}
         content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
         return Message(content, reply_to=_train_message(flower_app, g0, 1, node))

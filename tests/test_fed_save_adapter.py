@@ -55,9 +55,33 @@ def test_simulation_saves_an_adapter_with_identical_logits(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     model_dir, data = _user_model_and_data(tmp_path, "csv")
-    user = ["--model", str(model_dir), "--data", str(data), "--text-column", "review", "--label-column", "sentiment",
-            "--seq-len", "8", "--num-clients", "2", "--alpha", "1", "--rounds", "1", "--local-steps", "2",
-            "--batch-size", "8", "--epsilon", "3", "--reproducible-noise", "--seed", "2"]  # fmt: skip
+    user = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--text-column",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--seq-len",
+        "8",
+        "--num-clients",
+        "2",
+        "--alpha",
+        "1",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--epsilon",
+        "3",
+        "--reproducible-noise",
+        "--seed",
+        "2",
+    ]
     adapter = tmp_path / "adapter"
     rc = main(["federate", *user, "--no-progress", "--out", str(tmp_path / "r.json"), "--save-adapter", str(adapter)])
     assert rc == 0

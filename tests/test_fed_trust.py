@@ -43,8 +43,9 @@ def strategy(monkeypatch):
 
     # attribution tests with synthetic shifts (1 to 100) far longer than a real client's 3 steps at lr 5e-3: an
     # explicit bound above all of them keeps the derived default bound (which would clip them) out of the way
-    cfg = FederationConfig(task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0,
-                           max_update_norm=1e3)  # fmt: skip
+    cfg = FederationConfig(
+        task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0, max_update_norm=1e3
+    )
     server = FederationServer(cfg, G0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
     strat = flower_app.LALoraStrategy(server, flower_app.assign_partitions([77, 12], 2))
     strat.ledger = server.ledger
@@ -55,8 +56,17 @@ def strategy(monkeypatch):
 def _reply(sent_msg, state, *, pid, n, steps=3, sigma=1.0, q=0.1):
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-    metrics = MetricRecord({"partition-id": pid, "num-examples": n, "train-loss": 0.5, "epsilon": 0.1,
-                            "dp-sigma": [sigma], "dp-q": [q], "dp-steps": [steps]})  # fmt: skip
+    metrics = MetricRecord(
+        {
+            "partition-id": pid,
+            "num-examples": n,
+            "train-loss": 0.5,
+            "epsilon": 0.1,
+            "dp-sigma": [sigma],
+            "dp-q": [q],
+            "dp-steps": [steps],
+        }
+    )
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": metrics}), reply_to=sent_msg)
 
 
@@ -94,8 +104,9 @@ def test_unknown_and_duplicate_senders_are_rejected_and_a_claimed_example_count_
     inflated = _reply(sent[77], _shift(G0, 5.0), pid=1, n=10**12, q=0.25)
     honest = _reply(sent[12], _shift(G0, 1.0), pid=0, n=30)
     duplicate = _reply(sent[12], _shift(G0, 9.0), pid=0, n=30)
-    stranger_msg = Message(RecordDict({"arrays": ArrayRecord(G0), "metrics": MetricRecord({})}), dst_node_id=555,
-                           message_type="train")  # fmt: skip
+    stranger_msg = Message(
+        RecordDict({"arrays": ArrayRecord(G0), "metrics": MetricRecord({})}), dst_node_id=555, message_type="train"
+    )
     stranger = _reply(stranger_msg, _shift(G0, 9.0), pid=0, n=30)
     arrays, metrics = strat.aggregate_train(1, [honest, inflated, duplicate, stranger])
     for k in G0:  # (30·1 + 10·5) / 40: the server's sizes, never the claimed 1e12
@@ -132,8 +143,13 @@ def test_update_norm_bound_clips_or_rejects_a_1e6_update():
     delta = torch.cat([(res.state[k] - G0[k]).flatten() for k in G0])
     # the evil update counts with norm exactly 1 (all-ones over the 14 entries / √14); the honest ones cancel
     assert torch.allclose(delta, torch.full_like(delta, 1 / math.sqrt(14) / 3), atol=1e-6)
-    res = fedavg([*honest, evil], global_state=G0, max_update_norm=1.0, update_norm_policy="reject",
-                 client_ids=["a", "b", "evil"])  # fmt: skip
+    res = fedavg(
+        [*honest, evil],
+        global_state=G0,
+        max_update_norm=1.0,
+        update_norm_policy="reject",
+        client_ids=["a", "b", "evil"],
+    )
     assert [r.client for r in res.rejected] == ["evil"] and "exceeds max_update_norm=1" in res.rejected[0].reason
     for k in G0:
         torch.testing.assert_close(res.state[k], G0[k])  # the two honest updates cancel
@@ -185,8 +201,19 @@ def test_ledger_accumulates_a_reset_accountant_and_the_server_charge_is_a_floor(
 def test_a_failing_client_does_not_abort_the_run_or_lose_the_rounds_spend(monkeypatch):
     """Before: a client raising in round 2 ended the in-process run and the round's spend of the clients that
     did run was never recorded."""
-    cfg = FederationConfig(task=TINY, num_clients=3, rounds=3, local_steps=2, batch_size=8, n_train=72, n_test=16,
-                           alpha=1.0, epsilon=5.0, seed=1, filter="none")  # fmt: skip
+    cfg = FederationConfig(
+        task=TINY,
+        num_clients=3,
+        rounds=3,
+        local_steps=2,
+        batch_size=8,
+        n_train=72,
+        n_test=16,
+        alpha=1.0,
+        epsilon=5.0,
+        seed=1,
+        filter="none",
+    )
     real_build = simulation_mod.build_client
 
     def build(cfg_, task, part, c):

@@ -26,8 +26,16 @@ T975_2 = 4.302652729911275  # two-sided 95 % t quantile, 2 degrees of freedom
 
 
 def tiny_cfg(seed: int, **opts: Any) -> FederationConfig:
-    return FederationConfig(task="dp_bench.task:tiny", task_options=json.dumps(opts), n_train=120, n_test=40,
-                            seq_len=16, num_clients=4, alpha=1.0, seed=seed)  # fmt: skip
+    return FederationConfig(
+        task="dp_bench.task:tiny",
+        task_options=json.dumps(opts),
+        n_train=120,
+        n_test=40,
+        seq_len=16,
+        num_clients=4,
+        alpha=1.0,
+        seed=seed,
+    )
 
 
 def rows(ds: Any) -> list[tuple[int, ...]]:
@@ -49,11 +57,19 @@ def test_split_is_fixed_across_seeds_while_partitions_change() -> None:
     assert rows(build_task(tiny_cfg(0)).test) != rows(build_task(tiny_cfg(1)).test)
 
 
-@pytest.mark.parametrize(("opts", "match"), [
-    ({"val_sz": 3}, "unknown task_options"), ({"val_size": True}, "integer"), ({"split_seed": 1.5}, "integer"),
-    ({"eval_split": "val"}, "val_size > 0"), ({"eval_split": "train", "val_size": 4}, "eval_split"),
-    ({"head": "frozen"}, "head"), ({"split_seed": -1}, ">= 0"), ({"val_size": -2}, ">= 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("opts", "match"),
+    [
+        ({"val_sz": 3}, "unknown task_options"),
+        ({"val_size": True}, "integer"),
+        ({"split_seed": 1.5}, "integer"),
+        ({"eval_split": "val"}, "val_size > 0"),
+        ({"eval_split": "train", "val_size": 4}, "eval_split"),
+        ({"head": "frozen"}, "head"),
+        ({"split_seed": -1}, ">= 0"),
+        ({"val_size": -2}, ">= 0"),
+    ],
+)
 def test_task_options_are_validated(opts: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_task(tiny_cfg(0, **opts))
@@ -70,8 +86,9 @@ def test_fixed_head_leaves_only_the_adapters_trainable() -> None:
     names = [n for n, p in make_peft_model(cfg, task).named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     free = tiny_cfg(0, frozen_layers=1, pooling="mean")
-    assert any("classifier" in n for n, p in make_peft_model(free, build_task(free)).named_parameters()
-               if p.requires_grad)  # fmt: skip
+    assert any(
+        "classifier" in n for n, p in make_peft_model(free, build_task(free)).named_parameters() if p.requires_grad
+    )
 
 
 class Chain(nn.Module):
@@ -131,15 +148,31 @@ def fake_result(diffs: dict[str, list[float]], base: list[float]) -> dict[str, A
     runs = []
     for m, ds in {"dp-lora": [0.0] * 3, **diffs}.items():
         for s, d in enumerate(ds):
-            runs.append({"phase": "eval", "method": m, "epsilon": 1.0, "seed": s, "lr": 1.0, "max_epsilon": 0.99,
-                         "accuracy": [0.5] + [base[s] + d] * 4})  # fmt: skip
+            runs.append(
+                {
+                    "phase": "eval",
+                    "method": m,
+                    "epsilon": 1.0,
+                    "seed": s,
+                    "lr": 1.0,
+                    "max_epsilon": 0.99,
+                    "accuracy": [0.5] + [base[s] + d] * 4,
+                }
+            )
     return {"config": {"delta": 1e-5}, "runs": runs}
 
 
 def test_paired_analysis_on_a_hand_made_json() -> None:
     base = [0.60, 0.62, 0.58]
-    res = fake_result({"la-lora": [0.11, 0.13, 0.15], "ffa-lora": [0.13, 0.13, 0.16], "rolora": [0.0, 0.01, 0.02],
-                       "la-lora-nofilter": [0.20, 0.21, 0.25]}, base)  # fmt: skip
+    res = fake_result(
+        {
+            "la-lora": [0.11, 0.13, 0.15],
+            "ffa-lora": [0.13, 0.13, 0.16],
+            "rolora": [0.0, 0.01, 0.02],
+            "la-lora-nofilter": [0.20, 0.21, 0.25],
+        },
+        base,
+    )
     block = report.analyze(res)["1"]
     c = block["comparisons"]["la_minus_dp_lora"]["final"]
     half = T975_2 * 0.02 / math.sqrt(3)
@@ -151,8 +184,7 @@ def test_paired_analysis_on_a_hand_made_json() -> None:
     assert v["LA-LoRA ≥ best of FFA-LoRA/RoLoRA + 3 points"]["final"] == "contradicted"
     assert v["binomial5 filter gain ≥ 0 (direction only)"]["final"] == "contradicted"
     assert block["methods"]["la-lora"]["final"] == pytest.approx((0.73, 0.02))  # 0.71, 0.75, 0.73
-    res = fake_result({"la-lora": [0.15, 0.16, 0.17], "ffa-lora": [0.1, 0.1, 0.1], "rolora": [0.0, 0.0, 0.01]},
-                      base)  # fmt: skip
+    res = fake_result({"la-lora": [0.15, 0.16, 0.17], "ffa-lora": [0.1, 0.1, 0.1], "rolora": [0.0, 0.0, 0.01]}, base)
     v = report.analyze(res)["1"]["verdicts"]
     assert v["LA-LoRA ≥ DP-LoRA + 10 points"]["final"] == "reproduced"
     assert v["LA-LoRA ≥ best of FFA-LoRA/RoLoRA + 3 points"]["final"] == "reproduced"
@@ -170,15 +202,26 @@ def test_tuning_reads_the_validation_split_only(tmp_path: Path, monkeypatch: pyt
     def fake_run(args: Any, task: Any, phase: str, method: str, eps: float, seed: int, lr: float) -> dict[str, Any]:
         best = 1.0 if task.split == "val" else 4.0
         acc = 0.8 - 0.1 * abs(math.log2(lr / best))
-        return {"phase": phase, "method": method, "epsilon": eps, "seed": seed, "lr": lr, "split": task.split,
-                "task_seed": task.seed, "accuracy": [0.5, acc, acc, acc], "max_epsilon": 1.0, "wall_s": 0.0,
-                "cpu_s": 0.0}
+        return {
+            "phase": phase,
+            "method": method,
+            "epsilon": eps,
+            "seed": seed,
+            "lr": lr,
+            "split": task.split,
+            "task_seed": task.seed,
+            "accuracy": [0.5, acc, acc, acc],
+            "max_epsilon": 1.0,
+            "wall_s": 0.0,
+            "cpu_s": 0.0,
+        }
 
     monkeypatch.setattr(federated, "build_task", fake_build)
     monkeypatch.setattr(federated, "one_run", fake_run)
     out = tmp_path / "f.json"
-    res = federated.main(["--model", "tiny", "--methods", "dp-lora", "--lr-grid", "0.25", "0.5", "--seeds", "0", "1",
-                          "--out", str(out)])  # fmt: skip
+    res = federated.main(
+        ["--model", "tiny", "--methods", "dp-lora", "--lr-grid", "0.25", "0.5", "--seeds", "0", "1", "--out", str(out)]
+    )
     tune = [r for r in res["runs"] if r["phase"] == "tune"]
     assert {(r["split"], r["task_seed"]) for r in tune} == {("val", 100)}
     assert sorted(r["lr"] for r in tune) == [0.25, 0.5, 1.0, 2.0]  # edge extension up, then an interior best
@@ -191,11 +234,48 @@ def test_tuning_reads_the_validation_split_only(tmp_path: Path, monkeypatch: pyt
 
 def test_federated_smoke_records_resume_and_replot(tmp_path: Path) -> None:
     out = tmp_path / "fed.json"
-    argv = ["--model", "tiny", "--methods", "dp-lora", "la-lora", "--seeds", "0", "1", "--rounds", "2",
-            "--local-steps", "2", "--n-train", "160", "--n-test", "64", "--seq-len", "16", "--frozen-layers", "1",
-            "--num-clients", "3", "--batch-size", "8", "--val-size", "32", "--lr-grid", "0.5", "1.0",
-            "--max-extensions", "0", "--probe-examples", "8", "--accountant", "gdp", "--out", str(out),
-            "--no-progress", "--threads", "1"]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny",
+        "--methods",
+        "dp-lora",
+        "la-lora",
+        "--seeds",
+        "0",
+        "1",
+        "--rounds",
+        "2",
+        "--local-steps",
+        "2",
+        "--n-train",
+        "160",
+        "--n-test",
+        "64",
+        "--seq-len",
+        "16",
+        "--frozen-layers",
+        "1",
+        "--num-clients",
+        "3",
+        "--batch-size",
+        "8",
+        "--val-size",
+        "32",
+        "--lr-grid",
+        "0.5",
+        "1.0",
+        "--max-extensions",
+        "0",
+        "--probe-examples",
+        "8",
+        "--accountant",
+        "gdp",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     res = federated.main(argv)
     runs = res["runs"]
     assert [r["phase"] for r in runs].count("tune") == 4 and [r["phase"] for r in runs].count("eval") == 4

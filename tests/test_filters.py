@@ -147,8 +147,14 @@ def test_lowpass_weight_axis_vectors_and_options() -> None:
     assert gau[0] is not None and torch.allclose(gau[0], F.gaussian(recs[0].tensor, 0.8, axis=1))
     sel = LowPassDenoiser(params=["enc.1"], role_axes={"lora_B": None})(recs)
     assert [o is not None for o in sel] == [False, False, True, False, False, False]
-    for bad in ({"kernel": "box"}, {"laplacian_dims": 3}, {"weight_axis": 2}, {"kernel": "gaussian", "sigma": -1.0},
-                {"sigma": 1.0}, {"laplacian_dims": 2}):  # fmt: skip
+    for bad in (
+        {"kernel": "box"},
+        {"laplacian_dims": 3},
+        {"weight_axis": 2},
+        {"kernel": "gaussian", "sigma": -1.0},
+        {"sigma": 1.0},
+        {"laplacian_dims": 2},
+    ):
         with pytest.raises(ValueError):
             LowPassDenoiser(**bad)  # type: ignore[arg-type]
 

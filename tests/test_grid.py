@@ -82,8 +82,21 @@ def test_grid_command_smoke_tunes_evaluates_paired_and_reports(tmp_path: Path, m
 
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
     methods = ["none", "rmt"]
-    out = grid.main(["--smoke", "--methods", *methods, "--epsilons", "1", "3", "--out", str(tmp_path),
-                       "--name", "s", "--no-references"])  # fmt: skip
+    out = grid.main(
+        [
+            "--smoke",
+            "--methods",
+            *methods,
+            "--epsilons",
+            "1",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "s",
+            "--no-references",
+        ]
+    )
     saved = json.loads((tmp_path / "s.json").read_text())
     evals = [r for k, r in saved["runs"].items() if k.startswith("eval|")]
     assert any(k.startswith("tune|") for k in saved["runs"])  # lr chosen on validation runs first
@@ -107,10 +120,12 @@ def test_resume_may_grow_the_grid_but_never_drop_or_change_what_is_stored() -> N
     stored = as_json(grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"]))
     grown = grid.Config(epsilons=[3.0, 1.0], seeds=[0, 1, 2], methods=["none", "rmt", "ema"], threads=1)
     assert grid.resumable(stored, as_json(grown))
-    for bad in (grid.Config(epsilons=[1.0], seeds=[0, 1], methods=["none", "rmt"]),  # drops ε = 3
-                grid.Config(epsilons=[3.0], seeds=[1], methods=["none", "rmt"]),  # drops seed 0
-                grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], epochs=5.0),  # another budget
-                grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], lr_grid_sgd=[1.0])):
+    for bad in (
+        grid.Config(epsilons=[1.0], seeds=[0, 1], methods=["none", "rmt"]),  # drops ε = 3
+        grid.Config(epsilons=[3.0], seeds=[1], methods=["none", "rmt"]),  # drops seed 0
+        grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], epochs=5.0),  # another budget
+        grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], lr_grid_sgd=[1.0]),
+    ):
         assert not grid.resumable(stored, as_json(bad))
 
 
@@ -155,9 +170,25 @@ def test_released_oracle_is_exact_without_noise_and_sees_a_scaled_update() -> No
     data = torch.utils.data.TensorDataset(x, y)
     for hooks, ratio in (([], 1.0), ([Half()], 0.5)):
         oracle = ReleasedOracle(every=1)
-        run_dp(build("mlp", 0), data, data, input_names=None, post_hooks=hooks, noise_multiplier=0.0, batch_size=32,
-               steps=2, seed=0, lr=0.1, optimizer="sgd", physical_batch=32, oracle=False, per_param=False,
-               grad_sample_mode="ghost", allow_non_private=True, on_step=oracle)  # fmt: skip
+        run_dp(
+            build("mlp", 0),
+            data,
+            data,
+            input_names=None,
+            post_hooks=hooks,
+            noise_multiplier=0.0,
+            batch_size=32,
+            steps=2,
+            seed=0,
+            lr=0.1,
+            optimizer="sgd",
+            physical_batch=32,
+            oracle=False,
+            per_param=False,
+            grad_sample_mode="ghost",
+            allow_non_private=True,
+            on_step=oracle,
+        )
         assert len(oracle.cos) == 2 and len(oracle.per_matrix) == 4  # two steps × two weight matrices
         for _, cos_clean, _ in oracle.cos:
             assert cos_clean == pytest.approx(1.0, abs=1e-9)
@@ -171,12 +202,28 @@ def test_spectral_methods_are_paired_with_the_best_non_spectral_peer() -> None:
     """The target comparison: each spectral method minus the peer with the highest mean, paired by seed."""
     from dp_bench.commands import grid_report
 
-    finals = {"none": [0.80, 0.81, 0.82], "ema": [0.81, 0.80, 0.83], "doppler": [0.84, 0.85, 0.83],
-              "rmt": [0.85, 0.87, 0.83], "ema+rmt-js": [0.84, 0.84, 0.84]}  # fmt: skip
-    runs = {f"eval|{m}|sgd|B256|eps3|s{s}|lr1": {"method": m, "optimizer": "sgd", "batch": 256, "target_epsilon": 3.0,
-                                                  "seed": s, "lr": 1.0, "final_test": acc, "steps": 10,
-                                                  "test": [[0, 0.1], [10, acc]]}
-            for m, accs in finals.items() for s, acc in enumerate(accs)}  # fmt: skip
+    finals = {
+        "none": [0.80, 0.81, 0.82],
+        "ema": [0.81, 0.80, 0.83],
+        "doppler": [0.84, 0.85, 0.83],
+        "rmt": [0.85, 0.87, 0.83],
+        "ema+rmt-js": [0.84, 0.84, 0.84],
+    }
+    runs = {
+        f"eval|{m}|sgd|B256|eps3|s{s}|lr1": {
+            "method": m,
+            "optimizer": "sgd",
+            "batch": 256,
+            "target_epsilon": 3.0,
+            "seed": s,
+            "lr": 1.0,
+            "final_test": acc,
+            "steps": 10,
+            "test": [[0, 0.1], [10, acc]],
+        }
+        for m, accs in finals.items()
+        for s, acc in enumerate(accs)
+    }
     result = {"runs": runs, "config": {"epsilons": [3.0], "target_epsilon": 3.0}}
     peer = grid_report.analyze(result)["vs_best_peer"]
     assert set(peer) == {"sgd|B256|eps3|rmt", "sgd|B256|eps3|ema+rmt-js"}  # none/ema/doppler are not spectral
@@ -201,8 +248,15 @@ def test_a_worker_waiting_on_anothers_tuning_run_tunes_the_next_cell_and_evaluat
     handed out only once its cell's choice is final (an edge best first extends the grid outward)."""
     from dp_bench.commands import grid
 
-    cfg = grid.Config(methods=["none", "rmt"], optimizers=["sgd"], batches=[256], epsilons=[3.0], seeds=[0],
-                      references=False, lr_grid_sgd=[0.5, 1.0, 2.0])  # fmt: skip
+    cfg = grid.Config(
+        methods=["none", "rmt"],
+        optimizers=["sgd"],
+        batches=[256],
+        epsilons=[3.0],
+        seeds=[0],
+        references=False,
+        lr_grid_sgd=[0.5, 1.0, 2.0],
+    )
     plan = grid.planned(cfg)
     result: dict = {"runs": {}, "lr_choice": {}}
 

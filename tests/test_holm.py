@@ -74,8 +74,7 @@ def test_grid_replot_prints_the_old_tables_plus_holm(tmp_path: Path, capsys: pyt
     assert len(acc) == 10 and [c["p_holm"] for c in acc.values()] == pytest.approx(holm([c["p"] for c in acc.values()]))
 
 
-def test_federated_replot_prints_the_old_tables_plus_holm(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_federated_replot_prints_the_old_tables_plus_holm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stored = json.loads((RESULTS / "federated_paired.json").read_text())
     before = federated_report.tables(stored)
     out = tmp_path / "federated_paired.json"

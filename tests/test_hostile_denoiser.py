@@ -29,10 +29,15 @@ def _private(post_hooks, registry=None, **kwargs):
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant="rdp", noise_seed=7, registry=registry)
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=NM, max_grad_norm=C, post_hooks=post_hooks, noise_generator=torch.Generator().manual_seed(7),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+        noise_generator=torch.Generator().manual_seed(7),
         **kwargs,
-    )  # fmt: skip
+    )
     return engine, gsm, dp_opt, dl, model
 
 
@@ -200,7 +205,7 @@ def test_outputs_for_non_finite_gradients_are_checked_under_ignore():
 
 
 # ------------------------------------------------------------------------------------- failing factories
-FACTORY_PLUGIN = '''
+FACTORY_PLUGIN = """
 from opacus_spectral import hookimpl
 
 def _boom(alpha=1.0):
@@ -209,7 +214,7 @@ def _boom(alpha=1.0):
 @hookimpl
 def opacus_spectral_denoisers():
     return {"boom": _boom, "nothing": lambda: None}
-'''
+"""
 
 
 def _site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Registry:

@@ -52,8 +52,14 @@ def _private(arch: str, mode: str, first: str, grad_sample_mode: str, n: int = 4
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     recorder = Recorder()
     out = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-        grad_sample_mode=grad_sample_mode, post_hooks=[recorder], **kw,
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode=grad_sample_mode,
+        post_hooks=[recorder],
+        **kw,
     )
     if grad_sample_mode == "ghost":
         private, dp_opt, criterion, dl = out
@@ -174,8 +180,13 @@ def test_lowpass_with_roles_runs_under_alternation() -> None:
     x, y = batch(16, seed=6)
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     private, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0, post_hooks=["lowpass"], poisson_sampling=False,
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        post_hooks=["lowpass"],
+        poisson_sampling=False,
     )
     ctrl = AlternationController(model, dp_opt)
     for xb, yb in dl:
@@ -193,8 +204,12 @@ def test_per_layer_clipping_with_alternation_is_refused() -> None:
     n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     private, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=[1.0] * n_trainable, clipping="per_layer",
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=[1.0] * n_trainable,
+        clipping="per_layer",
     )
     with pytest.raises(ValueError, match="per-layer clipping"):
         AlternationController(model, dp_opt)
@@ -210,8 +225,11 @@ def test_lora_on_embedding_under_dp_is_refused() -> None:
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     with pytest.raises(ValueError, match="lora_embedding_A.*ParameterDict|ParameterDict.*Embedding"):
         engine.make_private(
-            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-            noise_multiplier=1.0, max_grad_norm=1.0,
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
         )
 
 
@@ -223,8 +241,11 @@ def test_dp_optimizer_without_opacus_spectral_gives_install_hint(monkeypatch) ->
     opt = torch.optim.AdamW(peft_lalora.lalora_param_groups(model, 1e-2))
     x, y = batch(16, seed=9)
     private, dp_opt, dl = opacus.PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0,
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
     )
     monkeypatch.setitem(sys.modules, "opacus_spectral", None)  # import fails as if not installed
     with pytest.raises(ImportError, match=r"peft-lalora\[dp\]"):
@@ -238,8 +259,16 @@ def test_dp_checkpoint_resume_mid_round_reproduces_uninterrupted_run(tmp_path) -
 
     def fresh():
         torch.manual_seed(10)
-        objs = _private("gpt2", "step", "A", "hooks", n=64, poisson_sampling=False, init_b=True,
-                        noise_generator=torch.Generator().manual_seed(3))
+        objs = _private(
+            "gpt2",
+            "step",
+            "A",
+            "hooks",
+            n=64,
+            poisson_sampling=False,
+            init_b=True,
+            noise_generator=torch.Generator().manual_seed(3),
+        )
         return (*objs[:4], list(objs[4]), *objs[5:])  # materialise batches: iterating a loader draws from the RNG
 
     def steps(objs, idx, log):
@@ -260,8 +289,14 @@ def test_dp_checkpoint_resume_mid_round_reproduces_uninterrupted_run(tmp_path) -
     steps(objs, range(4), part)
     model, _, dp_opt, _, _, ctrl, _, engine = objs
     torch.save(
-        {"model": model.state_dict(), "opt": dp_opt.state_dict(), "ctrl": ctrl.state_dict(),
-         "acct": engine.accountant.state_dict(), "rng": torch.get_rng_state(), "noise": dp_opt.generator.get_state()},
+        {
+            "model": model.state_dict(),
+            "opt": dp_opt.state_dict(),
+            "ctrl": ctrl.state_dict(),
+            "acct": engine.accountant.state_dict(),
+            "rng": torch.get_rng_state(),
+            "noise": dp_opt.generator.get_state(),
+        },
         tmp_path / "ckpt.pt",
     )
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
@@ -289,8 +324,11 @@ def test_factor_frozen_before_make_private_is_refused() -> None:
     x, y = batch(16, seed=11)
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     private, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0,
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
     )
     with pytest.raises(ValueError, match="must be trainable when make_private is called"):
         AlternationController(model, dp_opt)

@@ -77,8 +77,15 @@ def test_load_adapter_second_adapter(saved) -> None:
     assert isinstance(other.peft_config["lalora"], LALoraConfig)
     assert _maxdiff(_logits(other, x), ref) <= TOL
     # PEFT refuses to mix tuner types in one PeftModel: a plain LoRA model cannot load a LALoRA adapter
-    lora = get_peft_model(BASES[arch](0), LoraConfig(r=2, target_modules=["query"] if arch == "bert" else ["c_attn"],
-                                                    fan_in_fan_out=arch == "gpt2", task_type="SEQ_CLS"))
+    lora = get_peft_model(
+        BASES[arch](0),
+        LoraConfig(
+            r=2,
+            target_modules=["query"] if arch == "bert" else ["c_attn"],
+            fan_in_fan_out=arch == "gpt2",
+            task_type="SEQ_CLS",
+        ),
+    )
     with pytest.raises(ValueError, match="different peft types"):
         lora.load_adapter(str(tmp / "adapter"), adapter_name="lalora")
 

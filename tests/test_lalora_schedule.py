@@ -214,9 +214,18 @@ def test_hf_trainer_counts_real_steps_only(tmp_path) -> None:
     x, y = batch(16, seed=9)
     data = [{"input_ids": x[i], "labels": y[i]} for i in range(16)]
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-        learning_rate=1e-2, weight_decay=0.1, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     ctrl = AlternationController(model, trainer)

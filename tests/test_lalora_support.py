@@ -16,8 +16,15 @@ SEQ = 8
 def bert_base(seed: int = 0) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     cfg = BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
-        num_labels=2, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        num_labels=2,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return BertForSequenceClassification(cfg)
 
@@ -25,8 +32,18 @@ def bert_base(seed: int = 0) -> BertForSequenceClassification:
 def gpt2_base(seed: int = 0) -> GPT2ForSequenceClassification:
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, num_labels=2, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=64,
+        num_labels=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2ForSequenceClassification(cfg)
 
@@ -35,8 +52,9 @@ def lalora_config(arch: str, **kw: object) -> LALoraConfig:
     if arch == "bert":
         base = dict(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS", lora_dropout=0.0)
     else:  # GPT-2 Conv1D layers: fan_in_fan_out
-        base = dict(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="SEQ_CLS",
-                    lora_dropout=0.0)
+        base = dict(
+            r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="SEQ_CLS", lora_dropout=0.0
+        )
     base.update(kw)
     return LALoraConfig(**base)  # type: ignore[arg-type]
 

@@ -40,8 +40,11 @@ def test_trim_drops_only_columns_that_are_padding_in_every_row_and_keeps_the_log
     hidden = encode_bottom(model, 1, ids, mask)
     for pooling in ("cls", "mean"):
         ref = BertTop(model, 1, pooling=pooling).eval()(inputs_embeds=hidden, attention_mask=mask).logits
-        got = BertTop(model, 1, pooling=pooling, trim_padding=True).eval()(inputs_embeds=hidden,
-                                                                          attention_mask=mask).logits
+        got = (
+            BertTop(model, 1, pooling=pooling, trim_padding=True)
+            .eval()(inputs_embeds=hidden, attention_mask=mask)
+            .logits
+        )
         assert torch.allclose(got, ref, atol=1e-5), pooling
 
 
@@ -79,10 +82,25 @@ def test_dp_run_in_sorted_trimmed_physical_batches_trains_the_same_weights(monke
         for m in model.modules():
             if hasattr(m, "dropout_prob"):
                 m.dropout_prob = 0.0
-        r = run_dp(model, train, train, input_names=FROZEN_INPUTS, post_hooks=[], noise_multiplier=1.0, batch_size=32,
-                   steps=4, seed=0, lr=0.5, optimizer="sgd", physical_batch=8 if split else 32, eval_at=(4,),
-                   oracle=False, per_param=False, grad_sample_mode="hooks",
-                   sort_by=mask.sum(1).tolist() if split else None)  # fmt: skip
+        r = run_dp(
+            model,
+            train,
+            train,
+            input_names=FROZEN_INPUTS,
+            post_hooks=[],
+            noise_multiplier=1.0,
+            batch_size=32,
+            steps=4,
+            seed=0,
+            lr=0.5,
+            optimizer="sgd",
+            physical_batch=8 if split else 32,
+            eval_at=(4,),
+            oracle=False,
+            per_param=False,
+            grad_sample_mode="hooks",
+            sort_by=mask.sum(1).tolist() if split else None,
+        )
         return [p.detach().clone() for p in model.parameters() if p.requires_grad], [e["loss"] for e in r["per_step"]]
 
     whole, _ = trained(False)

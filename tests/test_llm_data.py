@@ -101,11 +101,14 @@ def test_shakespeare_blocks_on_a_slice(smollm2):
     works = ["hamlet", "tempest", "sonnets", "macbeth"]
     data = llm.load_shakespeare_blocks(tokenizer, 32, works=works, max_lines=40)
     assert {s: sorted(set(data[s]["work"])) for s in data} == {
-        "train": ["tempest"], "validation": ["hamlet", "sonnets"], "test": ["macbeth"],
-    }  # fmt: skip
+        "train": ["tempest"],
+        "validation": ["hamlet", "sonnets"],
+        "test": ["macbeth"],
+    }
     text = llm.shakespeare_works()["hamlet"]
-    n_tokens = sum(len(tokenizer(line + "\n", add_special_tokens=False)["input_ids"]) for line in
-                   llm.text_lines(text)[:40])  # fmt: skip
+    n_tokens = sum(
+        len(tokenizer(line + "\n", add_special_tokens=False)["input_ids"]) for line in llm.text_lines(text)[:40]
+    )
     hamlet = [row for row in data["validation"] if row["work"] == "hamlet"]
     assert len(hamlet) == n_tokens // 32 > 0
     first = hamlet[0]
@@ -138,8 +141,10 @@ def test_cached_weights_are_the_dequantized_gguf_tensors(smollm2):
     model, _ = smollm2
     reader = gguf.GGUFReader(llm.smollm2_gguf())
     tensors = {t.name: t for t in reader.tensors}
-    for name, module in [("blk.0.ffn_down.weight", model.model.layers[0].mlp.down_proj),
-                         ("blk.29.ffn_up.weight", model.model.layers[29].mlp.up_proj)]:  # fmt: skip
+    for name, module in [
+        ("blk.0.ffn_down.weight", model.model.layers[0].mlp.down_proj),
+        ("blk.29.ffn_up.weight", model.model.layers[29].mlp.up_proj),
+    ]:
         t = tensors[name]
         expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
         assert t.tensor_type.name == "Q4_1" and torch.equal(module.weight.detach(), expected), name

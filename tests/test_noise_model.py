@@ -30,10 +30,15 @@ def _pure_noise_engine(post_hooks, width=64, layers=4, steps=12):
     data = torch.utils.data.TensorDataset(torch.randn(B * steps, width), torch.zeros(B * steps, width))
     engine = PrivacyEngine(accountant="rdp")
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=B), noise_multiplier=NM, max_grad_norm=C,
-        poisson_sampling=False, post_hooks=post_hooks, noise_generator=torch.Generator().manual_seed(1),
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=B),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        post_hooks=post_hooks,
+        noise_generator=torch.Generator().manual_seed(1),
+    )
     for x, y in dl:
         opt.zero_grad()
         nn.functional.mse_loss(gsm(x) * 0.0, y).backward()

@@ -41,9 +41,12 @@ def _one_step(engine_cls=PrivacyEngine, *, flip: bool = False, global_seed: int 
     model = nn.Linear(D_IN, K)
     engine = engine_cls(accountant="rdp", **engine_kwargs)
     model, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        data_loader=DataLoader(_classification(flip), batch_size=N), noise_multiplier=SIGMA, max_grad_norm=C,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(_classification(flip), batch_size=N),
+        noise_multiplier=SIGMA,
+        max_grad_norm=C,
+    )
     x, y = next(iter(dl))
     assert len(x) == N
     opt.zero_grad()
@@ -89,9 +92,12 @@ def test_training_never_draws_from_the_global_rng() -> None:
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     model, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=1.0, max_grad_norm=C,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+    )
     state = torch.get_rng_state()
     for x, y in dl:  # Poisson sample
         opt.zero_grad()
@@ -108,9 +114,13 @@ def test_generators_given_by_the_caller_are_used_as_given() -> None:
     noise, sampler = torch.Generator(), torch.Generator()
     data = DataLoader(loader(64, 16, d_out=4).dataset, batch_size=16, generator=sampler)
     _, opt, dl = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
-        noise_multiplier=1.0, max_grad_norm=C, noise_generator=noise,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data,
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+        noise_generator=noise,
+    )
     assert opt.generator is noise
     assert dl.batch_sampler.generator is sampler
 
@@ -120,9 +130,15 @@ def test_make_private_with_epsilon_and_ghost_get_fresh_generators() -> None:
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     out = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=C, grad_sample_mode="ghost",
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=C,
+        grad_sample_mode="ghost",
+    )
     opt, dl = out[1], out[-1]
     assert opt.generator is not None and dl.batch_sampler.generator is not None
     state = torch.get_rng_state()
@@ -173,9 +189,12 @@ def test_cuda_noise_is_drawn_on_the_device_from_the_engine_generator() -> None:
     torch.manual_seed(0)
     model = nn.Linear(D_IN, K).cuda()
     gsm, opt, dl = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        data_loader=DataLoader(_classification(False), batch_size=8), noise_multiplier=SIGMA, max_grad_norm=C,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(_classification(False), batch_size=8),
+        noise_multiplier=SIGMA,
+        max_grad_norm=C,
+    )
     assert opt.generator.device == model.weight.device
     cpu_state, cuda_state = torch.get_rng_state(), torch.cuda.get_rng_state()
     x, y = next(iter(dl))
@@ -190,9 +209,13 @@ def test_checkpoint_holds_no_generator_state(tmp_path) -> None:
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     model, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=1.0, max_grad_norm=C, post_hooks=["rmt"],
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+        post_hooks=["rmt"],
+    )
     x, y = next(iter(dl))
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
@@ -236,9 +259,13 @@ def test_distributed_path_draws_from_the_engine_generators(clipping: str) -> Non
         engine = PrivacyEngine(accountant="rdp")
         norms = [C] * len(list(model.parameters())) if clipping == "per_layer" else C
         model, opt, dl = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-            noise_multiplier=1.0, max_grad_norm=norms, clipping=clipping,
-        )  # fmt: skip
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=1.0,
+            max_grad_norm=norms,
+            clipping=clipping,
+        )
         assert type(dl.batch_sampler).__name__ == "DistributedUniformWithReplacementSampler"
         assert dl.batch_sampler.generator is not None and opt.generator is not None
         state = torch.get_rng_state()
@@ -257,9 +284,12 @@ def _seeded(seed: int = 5):
     with pytest.warns(ReproducibleNoiseWarning):
         engine = PrivacyEngine(accountant="rdp", noise_seed=seed)
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=1.0, max_grad_norm=C,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=1.0,
+        max_grad_norm=C,
+    )
     return engine, gsm, opt, dl
 
 

@@ -21,16 +21,39 @@ def test_overhead_llm_runs_end_to_end_and_shares_come_from_the_medians(tmp_path:
     from dp_bench import cli
 
     out = tmp_path / "ovl.json"
-    res = cli.run(["overhead-llm", "--model", "tiny", "--cases", "qv,all7", "--batch", "4", "--physical", "2",
-                   "--seq", "8", "--warmup", "1", "--steps", "2", "--reps", "2", "--out", str(out)])  # fmt: skip
+    res = cli.run(
+        [
+            "overhead-llm",
+            "--model",
+            "tiny",
+            "--cases",
+            "qv,all7",
+            "--batch",
+            "4",
+            "--physical",
+            "2",
+            "--seq",
+            "8",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     stored = json.loads(out.read_text())
     assert stored == json.loads(json.dumps(res))
     assert stored["command"].startswith("dp-bench overhead-llm --model tiny")
     assert stored["config"]["batch"] == 4 and stored["config"]["seq"] == 8
     assert len(stored["loadavg_start"]) == 3 and len(stored["loadavg_end"]) == 3 and stored["threads"] >= 1
     assert set(stored["cases"]) == {"qv", "all7"}
-    for case, shapes, n_params in (("qv", QV_SHAPES, 2 * (2 * 32 * 32 + 32 * 32 + 16 * 32)),
-                                   ("all7", ALL7_SHAPES, None)):  # fmt: skip
+    for case, shapes, n_params in (
+        ("qv", QV_SHAPES, 2 * (2 * 32 * 32 + 32 * 32 + 16 * 32)),
+        ("all7", ALL7_SHAPES, None),
+    ):
         c = stored["cases"][case]
         assert c["matrix_shapes"] == shapes
         assert c["denoised_matrices"] == sum(shapes.values())

@@ -60,7 +60,14 @@ def test_torch_and_transformers_are_bounded_above():
 
 
 COMPAT_FLOATS = {
-    "torch", "opacus", "peft", "transformers", "accelerate", "huggingface-hub", "tokenizers", "safetensors"
+    "torch",
+    "opacus",
+    "peft",
+    "transformers",
+    "accelerate",
+    "huggingface-hub",
+    "tokenizers",
+    "safetensors",
 }
 
 

@@ -35,10 +35,15 @@ def _private(post_hooks, *, nm=NM, data=None, **kwargs):
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant="rdp", noise_seed=7)
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=data or loader(64, 16, d_out=4), noise_multiplier=nm, max_grad_norm=C,
-        post_hooks=post_hooks, noise_generator=torch.Generator().manual_seed(7), **kwargs,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data or loader(64, 16, d_out=4),
+        noise_multiplier=nm,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+        noise_generator=torch.Generator().manual_seed(7),
+        **kwargs,
+    )
     return engine, gsm, dp_opt, dl, model
 
 
@@ -220,9 +225,12 @@ def test_zero_noise_warns_like_a_drop_in_and_denoisers_need_the_opt_in():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         opacus.PrivacyEngine().make_private(
-            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-            noise_multiplier=0.0, max_grad_norm=C,
-        )  # fmt: skip
+            module=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+        )
 
 
 # ------------------------------------------------------------------------------------- selectors

@@ -14,10 +14,17 @@ def _ep(name: str, dist: str | None, version: str = "1.0") -> SimpleNamespace:
 
 
 def test_every_plugin_distribution_is_recorded_with_its_version() -> None:
-    eps = [_ep("disk", "opacus_spectral_disk", "0.3.1"), _ep("doppler", "opacus-spectral-doppler", "0.1.0"),
-           _ep("svht", "Opacus.Spectral.SVHT", "2.0"), _ep("disk2", "opacus_spectral_disk", "0.3.1")]  # fmt: skip
-    assert meta.plugin_versions(eps) == {"opacus-spectral-disk": "0.3.1", "opacus-spectral-doppler": "0.1.0",
-                                         "opacus-spectral-svht": "2.0"}  # fmt: skip
+    eps = [
+        _ep("disk", "opacus_spectral_disk", "0.3.1"),
+        _ep("doppler", "opacus-spectral-doppler", "0.1.0"),
+        _ep("svht", "Opacus.Spectral.SVHT", "2.0"),
+        _ep("disk2", "opacus_spectral_disk", "0.3.1"),
+    ]
+    assert meta.plugin_versions(eps) == {
+        "opacus-spectral-disk": "0.3.1",
+        "opacus-spectral-doppler": "0.1.0",
+        "opacus-spectral-svht": "2.0",
+    }
 
 
 def test_an_entry_point_without_a_distribution_is_a_clear_error() -> None:

@@ -73,9 +73,13 @@ def _two_steps(denoiser: Denoiser):
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(64, 16, d_out=4),
-        noise_multiplier=1.1, max_grad_norm=1.0, post_hooks=[before, denoiser, after],
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader(64, 16, d_out=4),
+        noise_multiplier=1.1,
+        max_grad_norm=1.0,
+        post_hooks=[before, denoiser, after],
+    )
     it = iter(dl)
     for _ in range(2):
         x, y = next(it)

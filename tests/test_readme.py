@@ -33,8 +33,9 @@ def test_opacus_spectral_example_runs():
             return self.net(x)
 
     g = torch.Generator().manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)),
-                        batch_size=16)
+    loader = DataLoader(
+        TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)), batch_size=16
+    )
     ns = {"MyModel": MyModel, "loader": loader}
     exec(compile(code, "README:opacus_spectral", "exec"), ns)
     assert ns["engine"].post_hooks.diagnostics.steps >= 1

@@ -15,7 +15,7 @@ from torch import nn
 
 from opacus_spectral import ParameterRole
 
-GOOD = '''
+GOOD = """
 import torch
 from opacus_spectral import Denoiser, ParameterRole, hookimpl
 
@@ -40,7 +40,7 @@ def opacus_spectral_denoisers():
 @hookimpl
 def opacus_spectral_parameter_roles(module):
     return {n: ParameterRole("special", layer="L") for n, _ in module.named_parameters() if n.endswith("0.weight")}
-'''
+"""
 
 PLUGINS = {
     # distribution name: (module name, module source)
@@ -141,7 +141,7 @@ def test_runtime_registration_and_embedding_role():
 
         @hookimpl
         def opacus_spectral_denoisers(self):
-            return {"noop": lambda: (lambda grads: None)}
+            return {"noop": lambda: lambda grads: None}
 
     assert reg.register(Plugin(), name="rt")
     assert list(reg.denoisers()) == ["noop"]
@@ -201,9 +201,13 @@ def test_hostile_plugins_never_break_the_host(hostile_site):
         model = mlp(hidden=8, d_out=4)
         engine = PrivacyEngine(accountant="rdp", registry=reg)
         _, dp_opt, _ = engine.make_private(  # role plugins answering garbage or exiting: still works
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(16, 8, d_out=4),
-            noise_multiplier=1.0, max_grad_norm=1.0, post_hooks=["rmt"],
-        )  # fmt: skip
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(16, 8, d_out=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            post_hooks=["rmt"],
+        )
     assert {"rmt", "lowpass"} <= set(table) and "typo" not in table
     errors = {(e.distribution, e.stage): e.error for e in reg.errors()}
     assert "SystemExit" in errors[("exiting-plugin", "import")]

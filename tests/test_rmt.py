@@ -62,8 +62,10 @@ def run(d: _RMTDenoiser, recs: list[NoisyGradient]) -> tuple[list[torch.Tensor],
     else:
         after = [r.tensor if o is None else o for r, o in zip(recs, result, strict=True)]
         assert all(torch.equal(r.tensor, b) for r, b in zip(recs, before, strict=True))  # records untouched
-    changed = [not torch.equal(a.nan_to_num(), b.nan_to_num()) or not torch.equal(a.isnan(), b.isnan())
-               for a, b in zip(after, before, strict=True)]  # fmt: skip
+    changed = [
+        not torch.equal(a.nan_to_num(), b.nan_to_num()) or not torch.equal(a.isnan(), b.isnan())
+        for a, b in zip(after, before, strict=True)
+    ]
     return after, changed
 
 
@@ -79,8 +81,13 @@ def test_acts_on_every_matrix_role_and_shape() -> None:
     b = spiked_matrix(96, 4, s, 3)  # LoRA B (out, r)
     c1d = spiked_matrix(32, 96, s, 4)  # GPT-2 Conv1D (in, out)
     conv = spiked_matrix(16, 3 * 3 * 3, s, 5).reshape(16, 3, 3, 3)  # conv kernel → (out, in·k·k)
-    recs = [rec("l.weight", "weight", lin), rec("q.lora_A", "lora_A", a), rec("q.lora_B", "lora_B", b),
-            rec("h.c_attn.weight", "weight", c1d), rec("conv.weight", "weight", conv)]  # fmt: skip
+    recs = [
+        rec("l.weight", "weight", lin),
+        rec("q.lora_A", "lora_A", a),
+        rec("q.lora_B", "lora_B", b),
+        rec("h.c_attn.weight", "weight", c1d),
+        rec("conv.weight", "weight", conv),
+    ]
     before = [r.tensor.clone() for r in recs]
     for inplace in (True, False):
         d = RMTDenoiser(inplace=inplace)
@@ -96,12 +103,14 @@ def test_acts_on_every_matrix_role_and_shape() -> None:
 
 def test_vectors_empty_and_unselected_untouched() -> None:
     s = 0.1
-    recs = [rec("l.bias", "bias", torch.randn(32, device=DEVICE)),
-            rec("ln.weight", "bias", torch.randn(8, device=DEVICE)),
-            rec("scalar", "weight", torch.tensor(3.0, device=DEVICE)),
-            rec("empty", "weight", torch.zeros(0, 5, device=DEVICE)),
-            rec("emb.weight", "embedding", spiked_matrix(50, 16, s, 1)),
-            rec("int", "weight", torch.ones(4, 4, dtype=torch.int64, device=DEVICE))]  # fmt: skip
+    recs = [
+        rec("l.bias", "bias", torch.randn(32, device=DEVICE)),
+        rec("ln.weight", "bias", torch.randn(8, device=DEVICE)),
+        rec("scalar", "weight", torch.tensor(3.0, device=DEVICE)),
+        rec("empty", "weight", torch.zeros(0, 5, device=DEVICE)),
+        rec("emb.weight", "embedding", spiked_matrix(50, 16, s, 1)),
+        rec("int", "weight", torch.ones(4, 4, dtype=torch.int64, device=DEVICE)),
+    ]
     d = RMTDenoiser()
     assert run(d, recs)[1] == [False] * len(recs)
     assert d.diagnostics["matrices"] == 0
@@ -111,10 +120,12 @@ def test_vectors_empty_and_unselected_untouched() -> None:
 
 def test_roles_and_params_filters() -> None:
     s = 0.1
-    recs = [rec("enc.q.lora_A", "lora_A", spiked_matrix(4, 64, s, 1)),
-            rec("enc.q.lora_B", "lora_B", spiked_matrix(64, 4, s, 2)),
-            rec("enc.dense.weight", "weight", spiked_matrix(64, 64, s, 3)),
-            rec("head.weight", "weight", spiked_matrix(2, 64, s, 4))]  # fmt: skip
+    recs = [
+        rec("enc.q.lora_A", "lora_A", spiked_matrix(4, 64, s, 1)),
+        rec("enc.q.lora_B", "lora_B", spiked_matrix(64, 4, s, 2)),
+        rec("enc.dense.weight", "weight", spiked_matrix(64, 64, s, 3)),
+        rec("head.weight", "weight", spiked_matrix(2, 64, s, 4)),
+    ]
     kw = {"inplace": False}
     only_lora = RMTDenoiser(roles=("lora_A", "lora_B"), **kw)(recs)
     assert [o is not None for o in only_lora] == [True, True, False, False]
@@ -244,8 +255,14 @@ def test_deterministic_and_truncated_path() -> None:
     for x, y in zip(a, full, strict=True):
         assert x is not None and y is not None
         assert ((x - y).norm() / y.norm()).item() < 1e-4
-    pure = [rec("n", "weight", (0.05 * torch.randn(96, 128, generator=torch.Generator().manual_seed(3))).to(DEVICE),
-                sigma=0.05)]
+    pure = [
+        rec(
+            "n",
+            "weight",
+            (0.05 * torch.randn(96, 128, generator=torch.Generator().manual_seed(3))).to(DEVICE),
+            sigma=0.05,
+        )
+    ]
     assert d(pure) == [None]  # gate-first: nothing decomposed, nothing returned
     ref = pure[0].tensor.clone()
     assert RMTDenoiser(gram_max=32)(pure) is None and torch.equal(pure[0].tensor, ref)  # and nothing written

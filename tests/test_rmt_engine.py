@@ -46,10 +46,16 @@ def train(mode: str, hooks: list[Any], *, lora: bool) -> tuple[float, list[dict[
     ids, y = halves(2048, 0)
     engine = PrivacyEngine(accountant="rdp")
     out = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, y), batch_size=64),
-        noise_multiplier=0.05, max_grad_norm=1.0, grad_sample_mode=mode, post_hooks=hooks,
-        noise_generator=torch.Generator().manual_seed(1), poisson_sampling=False,
-    )  # fmt: skip
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(ids, y), batch_size=64),
+        noise_multiplier=0.05,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        post_hooks=hooks,
+        noise_generator=torch.Generator().manual_seed(1),
+        poisson_sampling=False,
+    )
     gsm, dp_opt, dl = out[0], out[1], out[-1]
     crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
     diags = []
@@ -109,9 +115,14 @@ def test_lowpass_axis_per_role_on_a_lora_model() -> None:
     ids, y = halves(32, 0)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, y), batch_size=32),
-        noise_multiplier=1.0, max_grad_norm=1.0, post_hooks=[before, "lowpass", after], poisson_sampling=False,
-    )  # fmt: skip
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(ids, y), batch_size=32),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        post_hooks=[before, "lowpass", after],
+        poisson_sampling=False,
+    )
     x, yy = next(iter(dl))
     pos = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
     nn.functional.cross_entropy(

@@ -18,8 +18,9 @@ DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 F64 = torch.float64
 
 
-def noise_with_spikes(bsz: int, m: int, n: int, spikes: list[float], seed: int, dtype: torch.dtype = F64
-                      ) -> torch.Tensor:  # fmt: skip
+def noise_with_spikes(
+    bsz: int, m: int, n: int, spikes: list[float], seed: int, dtype: torch.dtype = F64
+) -> torch.Tensor:
     """Z (i.i.d. N(0, 1)) plus orthonormal spikes with the given singular values."""
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(bsz, m, n, generator=gen, dtype=F64)
@@ -94,7 +95,7 @@ def test_block_lanczos_is_an_orthonormal_krylov_basis_with_exact_projection() ->
 def test_block_lanczos_survives_an_exactly_low_rank_matrix() -> None:
     """Breakdown (the Krylov space becomes invariant): Ritz values stay the true eigenvalues, none larger."""
     gen_ = torch.Generator().manual_seed(4)
-    x = (torch.randn(1, 64, 2, generator=gen_, dtype=F64) @ torch.randn(1, 2, 100, generator=gen_, dtype=F64))
+    x = torch.randn(1, 64, 2, generator=gen_, dtype=F64) @ torch.randn(1, 2, 100, generator=gen_, dtype=F64)
     x = x.to(DEVICE)
     lz = K.BlockLanczos(x, 4, 32, gen())
     lz.extend(6)
@@ -154,14 +155,19 @@ def test_krylov_screen_decides_pure_noise_as_shut_and_borderline_as_undecided() 
     assert opened.tolist() == [False] * 2 and undecided.tolist() == [False] * 2
     assert 12 <= lz.steps <= 20  # §1.12.3: 12–20 steps for square noise at κ = 1.02
     lam1 = torch.linalg.eigvalsh((x @ x.mT).double())[:, -1].float()
-    opened, undecided, lz = K.krylov_screen(x, lam1 / 0.999, block=16, max_steps=40, false_shut=1e-12,
-                                            generator=gen())  # fmt: skip
+    opened, undecided, lz = K.krylov_screen(x, lam1 / 0.999, block=16, max_steps=40, false_shut=1e-12, generator=gen())
     assert undecided.tolist() == [True] * 2 and not opened.any()
     assert lz.steps < 12  # given up early: the certificate could never hold within the margin
     # a small matrix: the space (half the small side) is too small for the certificate → undecided, re-checked
     small = noise_with_spikes(1, 128, 128, [], seed=6)
-    _, undecided, _ = K.krylov_screen(small, torch.full((1,), (1.02 * 2 * math.sqrt(128)) ** 2, dtype=F64,
-                                      device=DEVICE), block=16, max_steps=40, false_shut=1e-12, generator=gen())
+    _, undecided, _ = K.krylov_screen(
+        small,
+        torch.full((1,), (1.02 * 2 * math.sqrt(128)) ** 2, dtype=F64, device=DEVICE),
+        block=16,
+        max_steps=40,
+        false_shut=1e-12,
+        generator=gen(),
+    )
     assert undecided.tolist() == [True]
 
 
@@ -192,8 +198,7 @@ def test_eigenpairs_above_equal_eigh_above_the_level(spikes: list[float]) -> Non
     m, n = 240, 320
     x = noise_with_spikes(2, m, n, spikes, seed=7)
     level = torch.full((2,), (math.sqrt(m) + math.sqrt(n)) ** 2, dtype=F64, device=DEVICE)
-    theta, vec, fallback = K.eigenpairs_above(x, K.BlockLanczos(x, 8, 10_000, gen()), level, tol=1e-10,
-                                              max_steps=60)  # fmt: skip
+    theta, vec, fallback = K.eigenpairs_above(x, K.BlockLanczos(x, 8, 10_000, gen()), level, tol=1e-10, max_steps=60)
     w, u = torch.linalg.eigh(x @ x.mT)
     for b in range(2):
         ref = w[b][w[b] > level[b]]
@@ -246,8 +251,16 @@ def test_screens_equal_the_full_svd_on_spiked_and_pure_noise(screen: str, dtype:
     s = 0.05
     for m, n in ((160, 224), (224, 160)):
         thr = (m * n) ** 0.25
-        g = torch.cat([noise_with_spikes(1, m, n, [], seed=9), noise_with_spikes(1, m, n, [1.5 * thr], seed=10),
-                       noise_with_spikes(1, m, n, [3 * thr, 2.5 * thr, 2 * thr, 1.6 * thr], seed=11)]) * s  # fmt: skip
+        g = (
+            torch.cat(
+                [
+                    noise_with_spikes(1, m, n, [], seed=9),
+                    noise_with_spikes(1, m, n, [1.5 * thr], seed=10),
+                    noise_with_spikes(1, m, n, [3 * thr, 2.5 * thr, 2 * thr, 1.6 * thr], seed=11),
+                ]
+            )
+            * s
+        )
         g = g.to(dtype)
         full = S.rmt_denoise(g.double(), s, method="full", compute_dtype=F64)
         got = S.rmt_denoise(g, s, method="truncated", screen=screen)

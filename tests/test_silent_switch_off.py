@@ -26,10 +26,15 @@ def _train(post_hooks, steps=STEPS, **kwargs):
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant="rdp", noise_seed=7)
         gsm, dp_opt, dl = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=loader(64, 16, d_out=4), noise_multiplier=1.1, max_grad_norm=1.0, post_hooks=post_hooks,
-            noise_generator=torch.Generator().manual_seed(7), **kwargs,
-        )  # fmt: skip
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=1.1,
+            max_grad_norm=1.0,
+            post_hooks=post_hooks,
+            noise_generator=torch.Generator().manual_seed(7),
+            **kwargs,
+        )
         it = iter(dl)
         for _ in range(steps):
             x, y = next(it)

@@ -252,10 +252,14 @@ def test_tracy_widom_gate_paths_agree() -> None:
 
 @HYP
 @given(
-    m=st.integers(16, 72), n=st.integers(16, 72), rank=st.integers(1, 3),
-    strength=st.floats(3.0, 6.0), log_s=st.floats(-4, 1), seed=st.integers(0, 10_000),
+    m=st.integers(16, 72),
+    n=st.integers(16, 72),
+    rank=st.integers(1, 3),
+    strength=st.floats(3.0, 6.0),
+    log_s=st.floats(-4, 1),
+    seed=st.integers(0, 10_000),
     method=st.sampled_from(["gram", "truncated"]),
-)  # fmt: skip
+)
 def test_spiked_model_properties(
     m: int, n: int, rank: int, strength: float, log_s: float, seed: int, method: str
 ) -> None:
@@ -271,7 +275,9 @@ def test_spiked_model_properties(
 
 @HYP
 @given(
-    m=st.integers(8, 64), n=st.integers(8, 64), seed=st.integers(0, 10_000),
+    m=st.integers(8, 64),
+    n=st.integers(8, 64),
+    seed=st.integers(0, 10_000),
     method=st.sampled_from(["gram", "truncated", "full"]),
 )
 def test_below_gate_and_sigma_zero_unchanged(m: int, n: int, seed: int, method: str) -> None:

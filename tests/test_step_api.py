@@ -21,10 +21,14 @@ def _private(post_hooks, *, data: DataLoader | None = None, **kwargs):
     model = mlp(hidden=32, d_out=4)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=data or loader(256, 64, d_out=4), noise_multiplier=NM, max_grad_norm=C,
-        post_hooks=post_hooks, **kwargs,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data or loader(256, 64, d_out=4),
+        noise_multiplier=NM,
+        max_grad_norm=C,
+        post_hooks=post_hooks,
+        **kwargs,
+    )
     assert isinstance(engine.post_hooks, PostHookHandle)
     return engine.post_hooks, gsm, dp_opt, dl, model
 

@@ -59,11 +59,27 @@ def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: 
     from test_grid import synthetic_fmnist  # the tests folder is on sys.path (pytest's rootdir-relative import)
 
     env = {**os.environ, "FASHION_MNIST_ROOT": str(synthetic_fmnist(tmp_path / "data"))}
-    cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import grid; grid.main(sys.argv[1:])",
-           "--smoke", "--methods", "none", "--epsilons", "3", "--out", str(tmp_path), "--name", "w",
-           "--no-references", "--threads", "1", "--resume"]  # fmt: skip
-    workers = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for _ in range(2)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from dp_bench.commands import grid; grid.main(sys.argv[1:])",
+        "--smoke",
+        "--methods",
+        "none",
+        "--epsilons",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "w",
+        "--no-references",
+        "--threads",
+        "1",
+        "--resume",
+    ]
+    workers = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
+    ]
     outs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
     trained = [k for out in outs for k in RUN_LINE.findall(out)]  # the key each worker prints per trained run
@@ -79,9 +95,20 @@ def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: 
 def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_path: Path) -> None:
     pytest.importorskip("flwr_datasets")
     out = tmp_path / "fed.json"
-    cmd = [sys.executable, "-c", "import sys; from dp_bench.commands import federated; federated.main(sys.argv[1:])",
-           "--smoke", "--out", str(out), "--threads", "1", "--resume", "--no-progress",
-           "--methods", "la-lora"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from dp_bench.commands import federated; federated.main(sys.argv[1:])",
+        "--smoke",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "--resume",
+        "--no-progress",
+        "--methods",
+        "la-lora",
+    ]
     workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [w.communicate(timeout=600)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]

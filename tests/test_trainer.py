@@ -34,8 +34,14 @@ def lalora_model(seed: int = 0, alternation: str = "step") -> nn.Module:
     for m in model.modules():  # no dropout: the two loops then consume the global RNG identically
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    cfg = LALoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"], task_type="SEQ_CLS",
-                       alternation=alternation)  # fmt: skip
+    cfg = LALoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["query", "value"],
+        task_type="SEQ_CLS",
+        alternation=alternation,
+    )
     with torch.random.fork_rng(devices=[]):  # LoRA's A is drawn from the global RNG
         torch.manual_seed(seed)
         return get_peft_model(model, cfg)
@@ -50,9 +56,20 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=PHYSICAL, gradient_accumulation_steps=ACCUM,
-                max_steps=4, learning_rate=LR, lr_scheduler_type="constant", use_cpu=True, report_to=[],
-                save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=PHYSICAL,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=4,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -61,8 +78,9 @@ def trainer(tmp_path, model=None, *, train_args=None, **kw) -> DPTrainer:
     model = model if model is not None else lalora_model()
     dp = dict(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, accountant="rdp")
     dp.update(kw)
-    return DPTrainer(model=model, args=train_args or args(tmp_path), train_dataset=dataset(),
-                     optimizers=(adamw(model), None), **dp)  # fmt: skip
+    return DPTrainer(
+        model=model, args=train_args or args(tmp_path), train_dataset=dataset(), optimizers=(adamw(model), None), **dp
+    )
 
 
 class Seed(TrainerCallback):
@@ -81,9 +99,16 @@ def hand_written_loop(steps: int, post_hooks):
     with pytest.warns(ReproducibleNoiseWarning):
         engine = PrivacyEngine(accountant="rdp", noise_seed=NOISE_SEED)
     _, dp_opt, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=optimizer, data_loader=DataLoader(ds, batch_size=PHYSICAL * ACCUM),
-        target_epsilon=3.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0, wrap_model=False, post_hooks=post_hooks,
-    )  # fmt: skip
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(ds, batch_size=PHYSICAL * ACCUM),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=1,
+        max_grad_norm=1.0,
+        wrap_model=False,
+        post_hooks=post_hooks,
+    )
     controller = AlternationController(model, dp_opt)
     torch.manual_seed(123)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=PHYSICAL, optimizer=dp_opt) as physical:
@@ -152,8 +177,9 @@ def test_one_noise_draw_per_logical_batch(tmp_path, monkeypatch):
     calls, clips = [], []
     real_noise, real_clip = opacus_optimizer._generate_noise, opacus_optimizer.DPOptimizer.clip_and_accumulate
     monkeypatch.setattr(opacus_optimizer, "_generate_noise", lambda *a, **k: calls.append(1) or real_noise(*a, **k))
-    monkeypatch.setattr(opacus_optimizer.DPOptimizer, "clip_and_accumulate",
-                        lambda self: clips.append(1) or real_clip(self))  # fmt: skip
+    monkeypatch.setattr(
+        opacus_optimizer.DPOptimizer, "clip_and_accumulate", lambda self: clips.append(1) or real_clip(self)
+    )
     rec = Recorder()
     t = trainer(tmp_path, noise_multiplier=1.1, target_epsilon=None, post_hooks=[rec])
     t.train()
@@ -209,9 +235,16 @@ def test_accumulation_clips_each_example_over_the_logical_batch(tmp_path, monkey
     C = 0.05  # small: every example is clipped
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        t = trainer(tmp_path, noise_multiplier=0.0, target_epsilon=None, max_grad_norm=C, post_hooks=[rec],
-                    grad_sample_mode=mode, train_args=args(tmp_path, max_steps=1),
-                    make_private_kwargs={"allow_non_private": True})  # fmt: skip
+        t = trainer(
+            tmp_path,
+            noise_multiplier=0.0,
+            target_epsilon=None,
+            max_grad_norm=C,
+            post_hooks=[rec],
+            grad_sample_mode=mode,
+            train_args=args(tmp_path, max_steps=1),
+            make_private_kwargs={"allow_non_private": True},
+        )
         t.train()
     ds = dataset()
     AlternationController(reference, None)  # phase of step 0: B (+ head) trainable
@@ -240,8 +273,15 @@ def test_empty_poisson_batches_still_add_noise(tmp_path, monkeypatch):
         rec = Recorder()
         # doctor=False: training on batches other than the ones Poisson drew is what the doctor's batch check
         # catches (tests/test_doctor_silent.py); here the edit is the point
-        t = trainer(tmp_path, noise_multiplier=1.0, target_epsilon=None, post_hooks=[rec], grad_sample_mode=mode,
-                    train_args=args(tmp_path, max_steps=3), doctor=False)  # fmt: skip
+        t = trainer(
+            tmp_path,
+            noise_multiplier=1.0,
+            target_epsilon=None,
+            post_hooks=[rec],
+            grad_sample_mode=mode,
+            train_args=args(tmp_path, max_steps=3),
+            doctor=False,
+        )
         t.train()
         assert t.state.global_step == 3 and t.privacy_engine.accountant.history == [(1.0, 0.25, 3)]
         assert all(g.abs().sum() > 0 for g, _ in rec.steps[1].values())  # pure noise at the empty step
@@ -258,8 +298,9 @@ def test_budget_stops_training_within_target_epsilon(tmp_path):
 
 
 def test_resume_restores_accountant_and_denoiser_state(tmp_path):
-    full = trainer(tmp_path / "a", post_hooks=["ema"], train_args=args(tmp_path / "a", save_strategy="steps",
-                                                                       save_steps=2))  # fmt: skip
+    full = trainer(
+        tmp_path / "a", post_hooks=["ema"], train_args=args(tmp_path / "a", save_strategy="steps", save_steps=2)
+    )
     full.train()
     ckpt = tmp_path / "a" / "checkpoint-2"
     assert (ckpt / DP_STATE_FILE).is_file() and (ckpt / "adapter_config.json").is_file()
@@ -276,8 +317,11 @@ def test_resume_restores_accountant_and_denoiser_state(tmp_path):
     with pytest.raises(ValueError, match="another DP set-up.*target_delta"):
         trainer(tmp_path / "d", post_hooks=["ema"], target_delta=1e-6).train(resume_from_checkpoint=str(ckpt))
     plain_model = lalora_model()
-    plain = Trainer(model=plain_model, args=args(tmp_path / "e", save_strategy="steps", save_steps=1, max_steps=1),
-                    train_dataset=dataset())  # fmt: skip
+    plain = Trainer(
+        model=plain_model,
+        args=args(tmp_path / "e", save_strategy="steps", save_steps=1, max_steps=1),
+        train_dataset=dataset(),
+    )
     plain.train()
     with pytest.raises(ValueError, match="holds no DP state"):
         trainer(tmp_path / "f").train(resume_from_checkpoint=str(tmp_path / "e" / "checkpoint-1"))
@@ -339,8 +383,10 @@ def test_docs_example_runs(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(model_dir)
     tiny_bert(seed=0).save_pretrained(model_dir)
-    reviews = {"text": [f"the movie was {['good', 'awful', 'great', 'poor'][i % 4]}" for i in range(48)],
-               "label": [int(i % 4 in (0, 2)) for i in range(48)]}  # fmt: skip
+    reviews = {
+        "text": [f"the movie was {['good', 'awful', 'great', 'poor'][i % 4]}" for i in range(48)],
+        "label": [int(i % 4 in (0, 2)) for i in range(48)],
+    }
     monkeypatch.setattr(datasets, "load_dataset", lambda name: {"train": datasets.Dataset.from_dict(reviews)})
     monkeypatch.chdir(tmp_path)
     code = code.replace('"sentence-transformers/all-MiniLM-L6-v2"', repr(str(model_dir)))
@@ -368,17 +414,29 @@ def test_token_level_labels_are_each_examples_own_mean_in_hooks_and_ghost(tmp_pa
     released = {}
     for mode in ("hooks", "ghost"):
         torch.manual_seed(0)
-        model = get_peft_model(BertForTokenClassification(tiny_bert_config()),
-                               LoraConfig(r=4, target_modules=["query", "value"], task_type="TOKEN_CLS"))  # fmt: skip
+        model = get_peft_model(
+            BertForTokenClassification(tiny_bert_config()),
+            LoraConfig(r=4, target_modules=["query", "value"], task_type="TOKEN_CLS"),
+        )
         for m in model.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
         rec = Recorder()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = DPTrainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=ds, noise_multiplier=0.0,
-                          target_delta=1e-5, accountant="rdp", grad_sample_mode=mode, max_grad_norm=0.05,
-                          post_hooks=[rec], noise_seed=NOISE_SEED, make_private_kwargs={"allow_non_private": True})
+            t = DPTrainer(
+                model=model,
+                args=args(tmp_path, max_steps=1),
+                train_dataset=ds,
+                noise_multiplier=0.0,
+                target_delta=1e-5,
+                accountant="rdp",
+                grad_sample_mode=mode,
+                max_grad_norm=0.05,
+                post_hooks=[rec],
+                noise_seed=NOISE_SEED,
+                make_private_kwargs={"allow_non_private": True},
+            )
             t.train()
         assert t.task == "token_classification" and t.state.global_step == 1
         released[mode] = rec.steps[0]

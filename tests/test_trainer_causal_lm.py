@@ -71,39 +71,75 @@ def collator() -> DataCollatorForLanguageModeling:
 
 
 def llama(seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
 
 
 def lora_llama(config=None, seed: int = 0) -> nn.Module:
-    config = config or LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                  task_type="CAUSAL_LM", init_lora_weights=False)  # fmt: skip
+    config = config or LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(llama(seed), config)
 
 
 def args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
-                learning_rate=1.0, lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no",
-                logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, per_device_eval_batch_size=8)  # fmt: skip
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        per_device_eval_batch_size=8,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
 
 def trainer(tmp_path, model, data, *, train_args=None, lr: float = 1.0, **kw) -> DPTrainer:
-    dp = dict(noise_multiplier=0.0, target_delta=1e-5, max_grad_norm=1.0, accountant="rdp",
-              make_private_kwargs={"allow_non_private": True})  # fmt: skip
+    dp = dict(
+        noise_multiplier=0.0,
+        target_delta=1e-5,
+        max_grad_norm=1.0,
+        accountant="rdp",
+        make_private_kwargs={"allow_non_private": True},
+    )
     dp.update(kw)
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # noise 0 (allow_non_private) warns
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        return DPTrainer(model=model, args=train_args or args(tmp_path), train_dataset=data, data_collator=collator(),
-                         optimizers=(sgd, None), **dp)  # fmt: skip
+        return DPTrainer(
+            model=model,
+            args=train_args or args(tmp_path),
+            train_dataset=data,
+            data_collator=collator(),
+            optimizers=(sgd, None),
+            **dp,
+        )
 
 
 class Recorder:
@@ -182,9 +218,15 @@ def hand_written_loop(mode: str, data, steps: int, sigma: float, C: float, lr: f
         engine = PrivacyEngine(accountant="rdp", noise_seed=SEED)
     extra = {"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}
     out = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=8, collate_fn=collator()),
-        noise_multiplier=sigma, max_grad_norm=C, grad_sample_mode=mode, wrap_model=False, **extra,
-    )  # fmt: skip
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(data, batch_size=8, collate_fn=collator()),
+        noise_multiplier=sigma,
+        max_grad_norm=C,
+        grad_sample_mode=mode,
+        wrap_model=False,
+        **extra,
+    )
     dp_opt, loader = out[1], out[-1]
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=dp_opt) as physical:
         for batch in physical:
@@ -207,8 +249,18 @@ def test_matches_a_hand_written_opacus_loop_with_the_per_example_loss(tmp_path, 
     Poisson batches, noise, accountant history and LoRA weights (up to the order of float sums)."""
     data = lm_dataset(32, seed=5)
     model = lora_llama()
-    t = trainer(tmp_path, model, data, grad_sample_mode=mode, noise_multiplier=0.8, max_grad_norm=0.5, lr=0.5,
-                noise_seed=SEED, make_private_kwargs={}, train_args=args(tmp_path, max_steps=3))  # fmt: skip
+    t = trainer(
+        tmp_path,
+        model,
+        data,
+        grad_sample_mode=mode,
+        noise_multiplier=0.8,
+        max_grad_norm=0.5,
+        lr=0.5,
+        noise_seed=SEED,
+        make_private_kwargs={},
+        train_args=args(tmp_path, max_steps=3),
+    )
     t.train()
     hand, engine = hand_written_loop(mode, data, 3, 0.8, 0.5, 0.5)
     assert t.privacy_engine.accountant.history == engine.accountant.history == [(0.8, 0.25, 3)]
@@ -241,8 +293,16 @@ def test_next_token_loss_falls_eval_is_per_token_and_the_adapter_reloads(tmp_pat
     config = LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_MODULES, lora_dropout=0.0, task_type="CAUSAL_LM")
     model = lora_llama(config)
     a = args(tmp_path, max_steps=20, learning_rate=2e-2, per_device_train_batch_size=8, logging_steps=10)
-    t = DPTrainer(model=model, args=a, train_dataset=train, eval_dataset=held, data_collator=collator(),
-                  noise_multiplier=0.5, target_delta=1e-5, max_grad_norm=1.0)  # fmt: skip
+    t = DPTrainer(
+        model=model,
+        args=a,
+        train_dataset=train,
+        eval_dataset=held,
+        data_collator=collator(),
+        noise_multiplier=0.5,
+        target_delta=1e-5,
+        max_grad_norm=1.0,
+    )
     before = t.evaluate()  # batches of 8 padded sequences of 3-11 tokens
     model.eval()
     direct = per_token_mean(model, held)
@@ -274,13 +334,22 @@ def test_denoisers_and_lalora_alternation_on_all_seven_llama_modules(tmp_path):
     """LA-LoRA (B, A, B, A) on q k v o gate up down of both layers, GQA (k/v project 32 -> 16), with rmt, lowpass
     and ema in the pipeline: each step releases only the active factor of all 14 LoRA modules, in its shape, and
     the denoisers run on every one of them."""
-    config = LALoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_MODULES, lora_dropout=0.0, task_type="CAUSAL_LM",
-                          alternation="step")  # fmt: skip
+    config = LALoraConfig(
+        r=4, lora_alpha=8, target_modules=LLAMA_MODULES, lora_dropout=0.0, task_type="CAUSAL_LM", alternation="step"
+    )
     model = lora_llama(config)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     pre, post = Recorder(), Recorder()
-    t = trainer(tmp_path, model, lm_dataset(32), noise_multiplier=1.0, make_private_kwargs={}, lr=0.1,
-                post_hooks=[pre, "rmt", "lowpass", "ema", post], train_args=args(tmp_path, max_steps=4))  # fmt: skip
+    t = trainer(
+        tmp_path,
+        model,
+        lm_dataset(32),
+        noise_multiplier=1.0,
+        make_private_kwargs={},
+        lr=0.1,
+        post_hooks=[pre, "rmt", "lowpass", "ema", post],
+        train_args=args(tmp_path, max_steps=4),
+    )
     t.train()
     diag = t.privacy_engine.post_hooks.diagnostics
     assert diag.steps == 4 and t.controller is not None and t.controller.total_steps == 4
@@ -335,12 +404,20 @@ def test_bf16_autocast_clips_in_float32_and_releases_float32(tmp_path, monkeypat
     monkeypatch.setattr(opacus_optimizer.DPOptimizer, "clip_and_accumulate", spy)
     rec, C = Recorder(), 1e-3
     data = lm_dataset(16, seed=2)
-    t = trainer(tmp_path, lora_llama(), data, max_grad_norm=C, post_hooks=[rec], doctor=False,  # it sees the edit
-                train_args=args(tmp_path, bf16=True, max_steps=8, gradient_accumulation_steps=1))  # fmt: skip
+    t = trainer(
+        tmp_path,
+        lora_llama(),
+        data,
+        max_grad_norm=C,
+        post_hooks=[rec],
+        doctor=False,  # it sees the edit
+        train_args=args(tmp_path, bf16=True, max_steps=8, gradient_accumulation_steps=1),
+    )
     t.train()
     expected_batch = 4  # 16 examples, sample rate 4/16
-    norms = [torch.sqrt(sum(g.double().pow(2).sum() for g in step.values())).item() * expected_batch
-             for step in rec.steps]  # fmt: skip
+    norms = [
+        torch.sqrt(sum(g.double().pow(2).sum() for g in step.values())).item() * expected_batch for step in rec.steps
+    ]
     norms = [n for n in norms if n > 0]  # an empty Poisson batch (probability 1 % per step) releases 0 here
     assert len(norms) >= 5 and all(C * (1 - 1e-4) < n <= C * (1 + 1e-6) for n in norms), [n / C for n in norms]
     assert dtypes and all(d == {torch.float32} for d in dtypes)
@@ -350,8 +427,11 @@ def test_bf16_autocast_clips_in_float32_and_releases_float32(tmp_path, monkeypat
 def test_bf16_refusals(tmp_path):
     with pytest.raises(ValueError, match="bf16 under ghost clipping"):
         trainer(tmp_path, lora_llama(), lm_dataset(8), grad_sample_mode="ghost", train_args=args(tmp_path, bf16=True))
-    low = get_peft_model(llama().to(torch.bfloat16), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
-                         autocast_adapter_dtype=False)  # fmt: skip
+    low = get_peft_model(
+        llama().to(torch.bfloat16),
+        LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+        autocast_adapter_dtype=False,
+    )
     with pytest.raises(ValueError, match=r"cannot train parameters in \['torch.bfloat16'\]"):
         trainer(tmp_path, low, lm_dataset(8)).train()
 
@@ -451,13 +531,28 @@ def test_smollm2_dp_lora_ends_within_epsilon_lowers_perplexity_and_reloads(tmp_p
     base, tok = llm.load_smollm2()
     data = llm.load_shakespeare_blocks(tok, 32, works=["tempest", "hamlet", "macbeth"], max_lines=400)
     pristine = copy.deepcopy(base)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], lora_dropout=0.0,
-                                            task_type="CAUSAL_LM"))  # fmt: skip
-    a = args(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=1, max_steps=4,
-             learning_rate=0.5, optim="sgd", per_device_eval_batch_size=16)  # fmt: skip
-    t = DPTrainer(model=model, args=a, train_dataset=data["train"], eval_dataset=data["validation"].select(range(16)),
-                  data_collator=DataCollatorForLanguageModeling(tok, mlm=False), target_epsilon=8.0,
-                  target_delta=1e-5, accountant="rdp")  # fmt: skip
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    )
+    a = args(
+        tmp_path,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=0.5,
+        optim="sgd",
+        per_device_eval_batch_size=16,
+    )
+    t = DPTrainer(
+        model=model,
+        args=a,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"].select(range(16)),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        target_epsilon=8.0,
+        target_delta=1e-5,
+        accountant="rdp",
+    )
     before = t.evaluate()["eval_perplexity"]
     t.train()
     after = t.evaluate()["eval_perplexity"]

@@ -29,14 +29,22 @@ pytestmark = pytest.mark.ddp
 
 RUNS: dict[str, dict[str, Any]] = {
     # records, logical batch (= per_device x accumulation x processes), accumulation, steps, DP settings
-    "full": dict(n=32, logical=32, accum=2, steps=3, lr=0.05,
-                 dp=dict(noise_multiplier=1.0, noise_seed=7, accountant="rdp")),
+    "full": dict(
+        n=32, logical=32, accum=2, steps=3, lr=0.05, dp=dict(noise_multiplier=1.0, noise_seed=7, accountant="rdp")
+    ),
     "poisson": dict(n=8, logical=2, accum=1, steps=20, lr=0.01, dp=dict(target_epsilon=3.0, accountant="rdp")),
-    "ghost": dict(n=32, logical=32, accum=1, steps=2, lr=0.05,
-                  dp=dict(noise_multiplier=1.0, noise_seed=7, accountant="rdp", grad_sample_mode="ghost")),
-    "resume": dict(n=16, logical=8, accum=1, steps=4, lr=0.05, save_steps=2,
-                   dp=dict(noise_multiplier=1.0, accountant="rdp")),  # stopped at 2 and resumed to 4
-}  # fmt: skip
+    "ghost": dict(
+        n=32,
+        logical=32,
+        accum=1,
+        steps=2,
+        lr=0.05,
+        dp=dict(noise_multiplier=1.0, noise_seed=7, accountant="rdp", grad_sample_mode="ghost"),
+    ),
+    "resume": dict(
+        n=16, logical=8, accum=1, steps=4, lr=0.05, save_steps=2, dp=dict(noise_multiplier=1.0, accountant="rdp")
+    ),  # stopped at 2 and resumed to 4
+}
 
 
 def train(out: Path, name: str) -> dict[str, Any]:
@@ -66,17 +74,27 @@ def train(out: Path, name: str) -> dict[str, Any]:
                 m.p = 0.0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            cfg = LALoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query"], task_type="SEQ_CLS",
-                               alternation="step")  # fmt: skip
+            cfg = LALoraConfig(
+                r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query"], task_type="SEQ_CLS", alternation="step"
+            )
             return get_peft_model(model, cfg)
 
     save = dict(save_strategy="steps", save_steps=run["save_steps"]) if "save_steps" in run else {"save_strategy": "no"}
     args = TrainingArguments(
-        output_dir=str(out / name), per_device_train_batch_size=run["logical"] // (run["accum"] * world),
-        gradient_accumulation_steps=run["accum"], max_steps=run["steps"], learning_rate=run["lr"],
-        lr_scheduler_type="constant", use_cpu=True, ddp_backend="gloo" if world > 1 else None, report_to=[],
-        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **save,
-    )  # fmt: skip
+        output_dir=str(out / name),
+        per_device_train_batch_size=run["logical"] // (run["accum"] * world),
+        gradient_accumulation_steps=run["accum"],
+        max_steps=run["steps"],
+        learning_rate=run["lr"],
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        ddp_backend="gloo" if world > 1 else None,
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **save,
+    )
     sizes: list[int] = []
     plain_iter = LockstepPoissonSampler.__iter__
 
@@ -92,8 +110,14 @@ def train(out: Path, name: str) -> dict[str, Any]:
     def trainer_of(model: torch.nn.Module) -> DPTrainer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-            return DPTrainer(model=model, args=args, train_dataset=synthetic_text_task(run["n"], seq_len=8, seed=0),
-                             target_delta=1e-5, post_hooks=[recorder], **run["dp"])  # fmt: skip
+            return DPTrainer(
+                model=model,
+                args=args,
+                train_dataset=synthetic_text_task(run["n"], seq_len=8, seed=0),
+                target_delta=1e-5,
+                post_hooks=[recorder],
+                **run["dp"],
+            )
 
     trainer = trainer_of(model)
     LockstepPoissonSampler.__iter__ = recorded  # type: ignore[method-assign]
@@ -106,14 +130,20 @@ def train(out: Path, name: str) -> dict[str, Any]:
     finally:
         LockstepPoissonSampler.__iter__ = plain_iter  # type: ignore[method-assign]
     return {
-        "world": trainer.args.world_size, "optimizer": type(trainer._dp).__name__,
-        "wrapped": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step,
-        "sigma": trainer.noise_multiplier, "q": trainer.sample_rate, "eps": trainer.get_epsilon(),
-        "history": trainer.privacy_engine.accountant.history, "sizes": sizes[: run["steps"]],
+        "world": trainer.args.world_size,
+        "optimizer": type(trainer._dp).__name__,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "steps": trainer.state.global_step,
+        "sigma": trainer.noise_multiplier,
+        "q": trainer.sample_rate,
+        "eps": trainer.get_epsilon(),
+        "history": trainer.privacy_engine.accountant.history,
+        "sizes": sizes[: run["steps"]],
         "released": [torch.cat([g["tensor"].flatten() for g in step]) for step in recorder.seen],
-        "adapter": {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}, "before": before,
+        "adapter": {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n},
+        "before": before,
         "findings": trainer.privacy_engine.doctor.findings if trainer.privacy_engine.doctor else [],
-    }  # fmt: skip
+    }
 
 
 def fsdp_refusal(out: Path) -> str:
@@ -124,8 +154,13 @@ def fsdp_refusal(out: Path) -> str:
 
     args = TrainingArguments(str(out / "fsdp"), use_cpu=True, ddp_backend="gloo", report_to=[], fsdp=True, max_steps=1)
     try:
-        DPTrainer(model=tiny_bert(seed=0), args=args, train_dataset=synthetic_text_task(8, seq_len=8, seed=0),
-                  target_delta=1e-5, noise_multiplier=1.0)  # fmt: skip
+        DPTrainer(
+            model=tiny_bert(seed=0),
+            args=args,
+            train_dataset=synthetic_text_task(8, seq_len=8, seed=0),
+            target_delta=1e-5,
+            noise_multiplier=1.0,
+        )
     except ValueError as err:
         return str(err)
     return "no error"
@@ -143,10 +178,22 @@ def results(tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ddp")
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [str(torchrun), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, str(out)]  # fmt: skip
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
+    cmd = [
+        str(torchrun),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        __file__,
+        str(out),
+    ]
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as proc:
         try:
             log, _ = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:  # a rank waiting in a collective: end the whole group
@@ -210,8 +257,13 @@ def test_causal_lm_evaluation_across_processes_is_refused(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="causal LM's evaluation across processes.*Evaluate in one process"):
         t.evaluate(data)
     with pytest.raises(ValueError, match="causal LM's evaluation across processes"):
-        trainer(tmp_path, lora_llama(), data, eval_dataset=data,
-                train_args=args(tmp_path, eval_strategy="steps", eval_steps=1))  # fmt: skip
+        trainer(
+            tmp_path,
+            lora_llama(),
+            data,
+            eval_dataset=data,
+            train_args=args(tmp_path, eval_strategy="steps", eval_steps=1),
+        )
 
 
 def test_two_processes_ghost_clipping_trains_the_one_process_adapter(results):

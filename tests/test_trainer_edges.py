@@ -28,8 +28,9 @@ class OwnLoss(DPTrainer):
 def build(tmp_path, *, cls=DPTrainer, train_args=None, **kw) -> DPTrainer:
     model = lalora_model()
     dp = dict(target_epsilon=3.0, target_delta=1e-5, accountant="rdp", **kw)
-    return cls(model=model, args=train_args or args(tmp_path), train_dataset=dataset(),
-               optimizers=(adamw(model), None), **dp)  # fmt: skip
+    return cls(
+        model=model, args=train_args or args(tmp_path), train_dataset=dataset(), optimizers=(adamw(model), None), **dp
+    )
 
 
 def released(tmp_path, *, mode: str, cls=DPTrainer, clip: float = 0.05, **train_kw) -> dict[str, torch.Tensor]:
@@ -38,10 +39,20 @@ def released(tmp_path, *, mode: str, cls=DPTrainer, clip: float = 0.05, **train_
     rec = Recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # noise 0 warns
-        t = cls(model=model, args=args(tmp_path, max_steps=1, **train_kw), train_dataset=dataset(),
-                optimizers=(adamw(model), None), noise_multiplier=0.0, target_delta=1e-5, accountant="rdp",
-                max_grad_norm=clip, post_hooks=[rec], grad_sample_mode=mode, noise_seed=NOISE_SEED,
-                make_private_kwargs=NON_PRIVATE)  # fmt: skip
+        t = cls(
+            model=model,
+            args=args(tmp_path, max_steps=1, **train_kw),
+            train_dataset=dataset(),
+            optimizers=(adamw(model), None),
+            noise_multiplier=0.0,
+            target_delta=1e-5,
+            accountant="rdp",
+            max_grad_norm=clip,
+            post_hooks=[rec],
+            grad_sample_mode=mode,
+            noise_seed=NOISE_SEED,
+            make_private_kwargs=NON_PRIVATE,
+        )
         t.train()
     return {n: g for n, (g, _) in rec.steps[0].items()}
 
@@ -74,13 +85,24 @@ def test_an_overridden_compute_loss_is_honoured_in_hooks_mode(tmp_path):
     ("make", "match"),
     [
         (lambda tp: build(tp, grad_sample_mode="ghost", cls=OwnLoss), "overridden OwnLoss.compute_loss under ghost"),
-        (lambda tp: build(tp, grad_sample_mode="ghost", compute_loss_func=lambda o, y, **k: o.logits.sum()),
-         "compute_loss_func under ghost"),
-        (lambda tp: build(tp, grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(),
-                          train_args=args(tp, label_smoothing_factor=0.1)), "label_smoothing_factor with a criterion"),
+        (
+            lambda tp: build(tp, grad_sample_mode="ghost", compute_loss_func=lambda o, y, **k: o.logits.sum()),
+            "compute_loss_func under ghost",
+        ),
+        (
+            lambda tp: build(
+                tp,
+                grad_sample_mode="ghost",
+                criterion=nn.CrossEntropyLoss(),
+                train_args=args(tp, label_smoothing_factor=0.1),
+            ),
+            "label_smoothing_factor with a criterion",
+        ),
         (lambda tp: build(tp, task="token_classification", cls=OwnLoss), "overridden compute_loss for task"),
-        (lambda tp: build(tp, task="causal_lm", grad_sample_mode="ghost", cls=OwnLoss),
-         "overridden compute_loss for task"),
+        (
+            lambda tp: build(tp, task="causal_lm", grad_sample_mode="ghost", cls=OwnLoss),
+            "overridden compute_loss for task",
+        ),
     ],
     ids=["ghost-override", "ghost-loss-func", "ghost-criterion-smoothing", "token-override", "causal-ghost-override"],
 )
@@ -110,8 +132,14 @@ def test_a_run_whose_trainer_counts_zero_steps_is_refused_before_calibration(tmp
 def test_an_empty_training_set_is_refused_clearly(tmp_path):
     model = lalora_model()
     with pytest.raises(ValueError, match="empty train_dataset"):
-        DPTrainer(model=model, args=args(tmp_path), train_dataset=dataset().select([]),
-                  optimizers=(adamw(model), None), target_epsilon=3.0, target_delta=1e-5)  # fmt: skip
+        DPTrainer(
+            model=model,
+            args=args(tmp_path),
+            train_dataset=dataset().select([]),
+            optimizers=(adamw(model), None),
+            target_epsilon=3.0,
+            target_delta=1e-5,
+        )
     t = trainer(tmp_path)
     t.train_dataset = dataset().select([])  # emptied after construction: refused when the loader is built
     with pytest.raises(ValueError, match="empty train_dataset"):
@@ -123,8 +151,14 @@ def test_noise_zero_trains_and_logs_infinite_epsilon(tmp_path, accountant):
     """noise_multiplier=0 (allow_non_private): the PRV accountant overflowed at the first log; ε is inf."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        t = trainer(tmp_path, noise_multiplier=0.0, target_epsilon=None, accountant=accountant,
-                    train_args=args(tmp_path, max_steps=2), make_private_kwargs=NON_PRIVATE)  # fmt: skip
+        t = trainer(
+            tmp_path,
+            noise_multiplier=0.0,
+            target_epsilon=None,
+            accountant=accountant,
+            train_args=args(tmp_path, max_steps=2),
+            make_private_kwargs=NON_PRIVATE,
+        )
         t.train()
     assert t.state.global_step == 2
     assert t.get_epsilon() == math.inf and t.get_epsilon(1e-3) == math.inf

@@ -44,9 +44,20 @@ def records(flip: bool = False) -> datasets.Dataset:
 
 
 def train_args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=N, max_steps=1, learning_rate=LR,
-                lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
-                disable_tqdm=True, dataloader_num_workers=0, seed=42)  # fmt: skip
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=N,
+        max_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=42,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -55,9 +66,17 @@ def one_step(tmp_path, *, flip: bool = False, **dp) -> torch.Tensor:
     """One SGD step (q = 1) with the same TrainingArguments.seed every time; the trained parameters, flattened."""
     model = lora_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    t = DPTrainer(model=model, args=train_args(tmp_path), train_dataset=records(flip), noise_multiplier=SIGMA,
-                  target_delta=1e-5, max_grad_norm=C, accountant="rdp",
-                  optimizers=(torch.optim.SGD(params, lr=LR), None), **dp)  # fmt: skip
+    t = DPTrainer(
+        model=model,
+        args=train_args(tmp_path),
+        train_dataset=records(flip),
+        noise_multiplier=SIGMA,
+        target_delta=1e-5,
+        max_grad_norm=C,
+        accountant="rdp",
+        optimizers=(torch.optim.SGD(params, lr=LR), None),
+        **dp,
+    )
     t.train()
     assert t.sample_rate == 1.0 and t.privacy_engine.accountant.history == [(SIGMA, 1.0, 1)]
     return torch.cat([p.detach().flatten() for p in params])
@@ -102,10 +121,24 @@ class Captured(TrainerCallback):
 
 def logged_run(tmp_path, **dp):
     model = lora_model()
-    t = DPTrainer(model=model, args=train_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
-                                               eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8),
-                  train_dataset=records(), eval_dataset=records(), noise_multiplier=SIGMA, target_delta=1e-5,
-                  accountant="rdp", **dp)  # fmt: skip
+    t = DPTrainer(
+        model=model,
+        args=train_args(
+            tmp_path,
+            max_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=8,
+        ),
+        train_dataset=records(),
+        eval_dataset=records(),
+        noise_multiplier=SIGMA,
+        target_delta=1e-5,
+        accountant="rdp",
+        **dp,
+    )
     seen = Captured()
     t.add_callback(seen)
     out = t.train()
@@ -167,10 +200,23 @@ def test_checkpoint_dp_state_holds_no_generator_state(tmp_path):
 def adamw_trainer(out, max_steps=6, save_steps=2) -> DPTrainer:
     model = lora_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    a = train_args(out, per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps",
-                   save_steps=save_steps, learning_rate=1e-2)  # fmt: skip
-    return DPTrainer(model=model, args=a, train_dataset=records(), noise_multiplier=1.0, target_delta=1e-5,
-                     accountant="rdp", optimizers=(torch.optim.AdamW(params, lr=1e-2), None))  # fmt: skip
+    a = train_args(
+        out,
+        per_device_train_batch_size=4,
+        max_steps=max_steps,
+        save_strategy="steps",
+        save_steps=save_steps,
+        learning_rate=1e-2,
+    )
+    return DPTrainer(
+        model=model,
+        args=a,
+        train_dataset=records(),
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        accountant="rdp",
+        optimizers=(torch.optim.AdamW(params, lr=1e-2), None),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +319,16 @@ def test_resuming_with_a_noise_seed_does_not_replay_the_first_steps_noise(tmp_pa
             model = lora_model()
             params = [p for p in model.parameters() if p.requires_grad]
             a = train_args(out, per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps", save_steps=2)
-            DPTrainer(model=model, args=a, train_dataset=records(), noise_multiplier=1.0, target_delta=1e-5,
-                      accountant="rdp", noise_seed=7, optimizers=(torch.optim.SGD(params, lr=0.1), None),
-                      ).train(resume_from_checkpoint=resume_from)  # fmt: skip
+            DPTrainer(
+                model=model,
+                args=a,
+                train_dataset=records(),
+                noise_multiplier=1.0,
+                target_delta=1e-5,
+                accountant="rdp",
+                noise_seed=7,
+                optimizers=(torch.optim.SGD(params, lr=0.1), None),
+            ).train(resume_from_checkpoint=resume_from)
         return [d.clone() for d in draws]
 
     full = run(tmp_path / "full")

@@ -10,8 +10,13 @@ from transformers import BertConfig, BertForSequenceClassification
 def tiny_bert(num_labels: int = 2, seed: int = 0) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     cfg = BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=1000,
-        num_labels=num_labels, max_position_embeddings=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=1000,
+        num_labels=num_labels,
+        max_position_embeddings=64,
     )
     return BertForSequenceClassification(cfg)
 

@@ -63,7 +63,12 @@ def lora_target_regex(layers: range, targets: str) -> str:
 
 
 def build_top(
-    task: FrozenTextTask, trainable: Trainable, seed: int, *, pooling: str = "mean", reinit_head: bool = True,
+    task: FrozenTextTask,
+    trainable: Trainable,
+    seed: int,
+    *,
+    pooling: str = "mean",
+    reinit_head: bool = True,
     trim_padding: bool = False,
 ) -> nn.Module:
     """A fresh trainable :class:`~dp_bench.frozen.BertTop` (layers ``k..``) on a copy of the base model.
@@ -86,9 +91,12 @@ def build_top(
         for p in list(top.layers.parameters()) + list(top.classifier.parameters()):
             p.requires_grad_(True)
     else:
-        cfg = LoraConfig(task_type="SEQ_CLS", r=trainable.rank, lora_alpha=trainable.alpha or trainable.rank,
-                         lora_dropout=0.0,
-                         target_modules=lora_target_regex(range(task.k, task.n_layers), trainable.targets))  # fmt: skip
-        top = BertTop(get_peft_model(model, cfg).base_model.model, task.k, pooling=pooling,
-                      trim_padding=trim_padding)
+        cfg = LoraConfig(
+            task_type="SEQ_CLS",
+            r=trainable.rank,
+            lora_alpha=trainable.alpha or trainable.rank,
+            lora_dropout=0.0,
+            target_modules=lora_target_regex(range(task.k, task.n_layers), trainable.targets),
+        )
+        top = BertTop(get_peft_model(model, cfg).base_model.model, task.k, pooling=pooling, trim_padding=trim_padding)
     return top.train()

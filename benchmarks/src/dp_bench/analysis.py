@@ -102,8 +102,12 @@ def gated_gain_stats(per_step: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     n += 1
                     pos += int(b > a)
                     gains.append(b - a)
-    return {"gated_layer_steps": n, "positive": pos, "share_positive": pos / n if n else float("nan"),
-            "mean_gain": float(np.mean(gains)) if gains else float("nan")}  # fmt: skip
+    return {
+        "gated_layer_steps": n,
+        "positive": pos,
+        "share_positive": pos / n if n else float("nan"),
+        "mean_gain": float(np.mean(gains)) if gains else float("nan"),
+    }
 
 
 def global_cos_stats(per_step: Sequence[dict[str, Any]]) -> dict[str, float]:

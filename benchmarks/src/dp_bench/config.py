@@ -26,8 +26,9 @@ def opt(default: Any, help: str, **metadata: Any) -> Any:
 
 def parse_config(cls: type[C], argv: Sequence[str] | None, *, prog: str, description: str) -> C:
     """``cls`` from command-line arguments; its ``validate()`` (if any) reports errors as argparse errors."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_dataclass_arguments(parser, cls)
     cfg = dataclass_from_args(cls, parser.parse_args(argv))
     check = getattr(cfg, "validate", None)
@@ -44,8 +45,9 @@ def as_json(cfg: Any) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
 
 
-def same_config(stored: dict[str, Any], now: dict[str, Any], *, defaults: dict[str, Any],
-                ignore: frozenset[str] | set[str]) -> bool:
+def same_config(
+    stored: dict[str, Any], now: dict[str, Any], *, defaults: dict[str, Any], ignore: frozenset[str] | set[str]
+) -> bool:
     """Whether a stored result's ``config`` is ``now`` for ``--resume``: keys in ``ignore`` (execution settings,
     and for some commands the lists a resume may extend) are not compared, and an option added since the result
     was stored matches when ``now`` keeps its default (``defaults``: the command's default config as JSON)."""

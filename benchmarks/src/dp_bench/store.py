@@ -67,8 +67,15 @@ class SharedResult:
     records whose key is ``run_id(record)`` (``dp-bench federated``). ``dumps``: extra ``json.dumps`` options of
     the file; ``wall``: the record field summed into ``result["wall_seconds"]`` (None: no total)."""
 
-    def __init__(self, path: Path, result: dict[str, Any], *, run_id: Callable[[dict[str, Any]], str] | None = None,
-                 dumps: dict[str, Any] | None = None, wall: str | None = "wall_seconds") -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path,
+        result: dict[str, Any],
+        *,
+        run_id: Callable[[dict[str, Any]], str] | None = None,
+        dumps: dict[str, Any] | None = None,
+        wall: str | None = "wall_seconds",
+    ) -> None:
         self.path = path
         self.result = result
         self.run_id = run_id

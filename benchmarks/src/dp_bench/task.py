@@ -31,8 +31,18 @@ from . import data as D
 from .fixed_head import fix_classifier
 from .frozen import POOLINGS, BertTop, encode_bottom, split_error
 
-__all__ = ["CachedTask", "FrozenTextTask", "ImageTask", "TaskOptions", "carve_validation", "encode_bottom_memo",
-           "fashion_mnist_task", "frozen_text_task", "minilm_rt", "tiny"]  # fmt: skip
+__all__ = [
+    "CachedTask",
+    "FrozenTextTask",
+    "ImageTask",
+    "TaskOptions",
+    "carve_validation",
+    "encode_bottom_memo",
+    "fashion_mnist_task",
+    "frozen_text_task",
+    "minilm_rt",
+    "tiny",
+]
 
 FROZEN_INPUTS = ("inputs_embeds", "attention_mask")
 
@@ -60,8 +70,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPACUS_SPECTRAL_BENCH_CACHE", Path.home() / ".cache" / "opacus-spectral-bench"))
 
 
-def text_splits(model: str, max_length: int, seed: int, *, tiny_train: int = 512, tiny_test: int = 256,
-                ) -> tuple[nn.Module, dict[str, dict[str, torch.Tensor]], dict[str, Any]]:  # fmt: skip
+def text_splits(
+    model: str,
+    max_length: int,
+    seed: int,
+    *,
+    tiny_train: int = 512,
+    tiny_test: int = 256,
+) -> tuple[nn.Module, dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     """(base model, {split: model-input tensors}, info) for ``"minilm"`` (Rotten Tomatoes) or ``"tiny"``."""
     if model == "tiny":
         base = D.tiny_bert(num_labels=2, seed=seed)
@@ -112,19 +128,33 @@ def frozen_text_task(
         cached = {}
         for s in ("train", "test"):
             d = data[s]
-            cached[s] = encode_bottom(base, k, d["input_ids"], d["attention_mask"], d.get("token_type_ids"),
-                                      batch_size=eval_batch, progress=True)  # fmt: skip
+            cached[s] = encode_bottom(
+                base,
+                k,
+                d["input_ids"],
+                d["attention_mask"],
+                d.get("token_type_ids"),
+                batch_size=eval_batch,
+                progress=True,
+            )
         d = data["test"]
-        cached["split_check"] = split_error(base, k, d["input_ids"][:8], d["attention_mask"][:8],
-                                            d.get("token_type_ids", torch.zeros_like(d["input_ids"]))[:8])  # fmt: skip
+        cached["split_check"] = split_error(
+            base,
+            k,
+            d["input_ids"][:8],
+            d["attention_mask"][:8],
+            d.get("token_type_ids", torch.zeros_like(d["input_ids"]))[:8],
+        )
         if cached["split_check"] > 1e-4:
             raise RuntimeError(f"cached bottom + top differs from the full model by {cached['split_check']:.2e}")
         if disk:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(cached, path)
     info = dict(info, cache=str(path) if disk else None, split_check=cached["split_check"])
-    split = {s: torch.utils.data.TensorDataset(cached[s], data[s]["attention_mask"], data[s]["label"])
-             for s in ("train", "test")}  # fmt: skip
+    split = {
+        s: torch.utils.data.TensorDataset(cached[s], data[s]["attention_mask"], data[s]["label"])
+        for s in ("train", "test")
+    }
     train, val = split["train"], None
     if val_size:
         train, val = carve_validation(train, val_size, split_seed=seed)
@@ -132,16 +162,21 @@ def frozen_text_task(
     return FrozenTextTask(base, k, train, split["test"], dict(info, train=len(train), test=len(split["test"])), val)
 
 
-def carve_validation(data: torch.utils.data.TensorDataset, val_size: int, split_seed: int = 0,
-                     ) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:  # fmt: skip
+def carve_validation(
+    data: torch.utils.data.TensorDataset,
+    val_size: int,
+    split_seed: int = 0,
+) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
     """(train, validation): ``val_size`` examples drawn by a seeded permutation, both kept in their original order."""
     n = len(data)
     if not 0 < val_size < n:
         raise ValueError(f"val_size must be in (0, {n}), got {val_size}")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))
     tr, va = perm[val_size:].sort().values, perm[:val_size].sort().values
-    return (torch.utils.data.TensorDataset(*(t[tr] for t in data.tensors)),
-            torch.utils.data.TensorDataset(*(t[va] for t in data.tensors)))  # fmt: skip
+    return (
+        torch.utils.data.TensorDataset(*(t[tr] for t in data.tensors)),
+        torch.utils.data.TensorDataset(*(t[va] for t in data.tensors)),
+    )
 
 
 @dataclass
@@ -161,8 +196,13 @@ def fashion_mnist_task(val_size: int = 5000, split_seed: int = 0, root: str | No
     """Fashion-MNIST with ``val_size`` training images held out (a seeded random split, fixed across runs)."""
     d = D.load_fashion_mnist(root)
     train, val = carve_validation(torch.utils.data.TensorDataset(*d["train"]), val_size, split_seed)
-    info = {"dataset": "Fashion-MNIST (Debian dataset-fashion-mnist)", "train": len(train), "val": len(val),
-            "test": int(d["test"][1].shape[0]), "split_seed": split_seed}  # fmt: skip
+    info = {
+        "dataset": "Fashion-MNIST (Debian dataset-fashion-mnist)",
+        "train": len(train),
+        "val": len(val),
+        "test": int(d["test"][1].shape[0]),
+        "split_seed": split_seed,
+    }
     return ImageTask(train, val, torch.utils.data.TensorDataset(*d["test"]), info)
 
 
@@ -240,8 +280,10 @@ def _fingerprint(tensors: list[torch.Tensor | None]) -> str:
 def encode_bottom_memo(full: nn.Module, k: int, cols: dict[str, torch.Tensor]) -> torch.Tensor:
     """:func:`~dp_bench.frozen.encode_bottom`, reusing an earlier result for the same weights, inputs and ``k``."""
     bert = full.bert
-    weights = [*bert.embeddings.state_dict().values(),
-               *(v for layer in bert.encoder.layer[:k] for v in layer.state_dict().values())]  # fmt: skip
+    weights = [
+        *bert.embeddings.state_dict().values(),
+        *(v for layer in bert.encoder.layer[:k] for v in layer.state_dict().values()),
+    ]
     key = f"k{k}:" + _fingerprint([*weights, cols["input_ids"], cols["attention_mask"], cols.get("token_type_ids")])
     if key in _MEMO:
         _MEMO.move_to_end(key)
@@ -309,8 +351,17 @@ def _split_eval(train: Any, test: Any, opts: TaskOptions, split_seed: int) -> tu
     return train.select(keep), (train.select(val) if opts.eval_split == "val" else test)
 
 
-def _federated(name: str, cfg: Any, opts: TaskOptions, load_train: Any, load_test: Any, num_labels: int,
-               columns: tuple[str, ...], make: Any, group_column: str | None = None) -> Task:  # fmt: skip
+def _federated(
+    name: str,
+    cfg: Any,
+    opts: TaskOptions,
+    load_train: Any,
+    load_test: Any,
+    num_labels: int,
+    columns: tuple[str, ...],
+    make: Any,
+    group_column: str | None = None,
+) -> Task:
     """The task from loaders of its raw splits (each called on first use): validation carved, head fixed if asked,
     bottom layers cached if asked. With ``eval_split="val"`` the evaluated split comes from the training source."""
     s = opts.seed(cfg.seed)
@@ -323,8 +374,16 @@ def _federated(name: str, cfg: Any, opts: TaskOptions, load_train: Any, load_tes
     def model() -> nn.Module:
         return fix_classifier(make()) if opts.head == "fixed" else make()
 
-    task = Task(f"{name}[{opts.eval_split}]", train, evaluated, num_labels, columns, model_factory=model,
-                group_column=group_column, test_from_train=opts.eval_split == "val")  # fmt: skip
+    task = Task(
+        f"{name}[{opts.eval_split}]",
+        train,
+        evaluated,
+        num_labels,
+        columns,
+        model_factory=model,
+        group_column=group_column,
+        test_from_train=opts.eval_split == "val",
+    )
     return CachedTask(task, opts.frozen_layers, opts.pooling) if opts.frozen_layers else task
 
 

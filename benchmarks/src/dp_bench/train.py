@@ -49,8 +49,9 @@ class LengthSortedBatches(torch.utils.data.Sampler[list[int]]):
         return len(self.batches)  # type: ignore[arg-type]
 
 
-def evaluate(model: nn.Module, data: torch.utils.data.Dataset, input_names: Sequence[str] | None,
-             batch: int = 512) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    model: nn.Module, data: torch.utils.data.Dataset, input_names: Sequence[str] | None, batch: int = 512
+) -> dict[str, float]:
     """Accuracy and loss of ``model`` on ``data`` (batches of ``batch``). It leaves the global RNG alone (a
     ``DataLoader`` iterator would draw a seed from it and shift the training run's noise and batches)."""
     if isinstance(data, torch.utils.data.TensorDataset):
@@ -149,15 +150,25 @@ def run_dp(
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant=accountant, noise_seed=seed + 1)  # same batches and noise per seed
     out = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader, noise_multiplier=noise_multiplier,
-        max_grad_norm=max_grad_norm, poisson_sampling=True, post_hooks=list(post_hooks), oracle=oracle,
-        grad_sample_mode=grad_sample_mode, allow_non_private=allow_non_private,
-    )  # fmt: skip
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=True,
+        post_hooks=list(post_hooks),
+        oracle=oracle,
+        grad_sample_mode=grad_sample_mode,
+        allow_non_private=allow_non_private,
+    )
     module, dp_opt, dp_loader = out[0], out[1], out[-1]
     if sort_by is not None:  # BatchMemoryManager wraps this loader's batch sampler; it is never iterated itself
-        dp_loader = torch.utils.data.DataLoader(dp_loader.dataset, collate_fn=dp_loader.collate_fn,
-                                                batch_sampler=LengthSortedBatches(dp_loader.batch_sampler, sort_by),
-                                                generator=dp_loader.generator)  # fmt: skip
+        dp_loader = torch.utils.data.DataLoader(
+            dp_loader.dataset,
+            collate_fn=dp_loader.collate_fn,
+            batch_sampler=LengthSortedBatches(dp_loader.batch_sampler, sort_by),
+            generator=dp_loader.generator,
+        )
     criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
     handle = engine.post_hooks
     backward = gradient(module).backward if gradient is not None else None
@@ -181,8 +192,9 @@ def run_dp(
     bar = tqdm(total=steps, desc=desc, unit="step", leave=False, mininterval=2.0)
     t0 = time.perf_counter()
     while step < steps:
-        with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical_batch,
-                                optimizer=dp_opt) as mem_loader:  # fmt: skip
+        with BatchMemoryManager(
+            data_loader=dp_loader, max_physical_batch_size=physical_batch, optimizer=dp_opt
+        ) as mem_loader:
             for *inputs, y in mem_loader:
                 dp_opt.zero_grad(set_to_none=True)
 
@@ -217,5 +229,11 @@ def run_dp(
     bar.close()
     eps = engine.get_epsilon(delta) if noise_multiplier > 0 else float("inf")  # no noise: no guarantee
     handle.remove()
-    return {"per_step": log, "curve": curve, "curves": curves, "epsilon": eps, "train_seconds": t_train,
-            "noise_multiplier": noise_multiplier}  # fmt: skip
+    return {
+        "per_step": log,
+        "curve": curve,
+        "curves": curves,
+        "epsilon": eps,
+        "train_seconds": t_train,
+        "noise_multiplier": noise_multiplier,
+    }

@@ -17,10 +17,17 @@ __all__ = ["MODELS", "build", "mlp", "tanh_cnn"]
 
 def tanh_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.Tanh(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.Tanh(),
+        nn.Linear(32, 10),
+    )
 
 
 def mlp(hidden: int = 256) -> nn.Module:

@@ -165,8 +165,9 @@ class DPTrainer(Trainer):
         self._logical_loader, self.sample_rate = logical, poisson.sample_rate
         self._poisson_sampler = poisson.batch_sampler  # what the doctor pairs DP steps with (create_optimizer)
         if ranks > 1:  # this rank's shard at rate q, an empty batch included (.trainer_distributed)
-            self._poisson_sampler = LockstepPoissonSampler(total_size=len(dataset), sample_rate=self.sample_rate,
-                                                           generator=generator)  # fmt: skip
+            self._poisson_sampler = LockstepPoissonSampler(
+                total_size=len(dataset), sample_rate=self.sample_rate, generator=generator
+            )
         return DataLoader(
             dataset,
             batch_sampler=PhysicalBatches(self._poisson_sampler, k),
@@ -192,9 +193,12 @@ class DPTrainer(Trainer):
         if sigma is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
             sigma = get_noise_multiplier(
-                target_epsilon=self.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
-                steps=self.state.max_steps, accountant=self.privacy_engine.accountant.mechanism(),
-            )  # fmt: skip
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                sample_rate=self.sample_rate,
+                steps=self.state.max_steps,
+                accountant=self.privacy_engine.accountant.mechanism(),
+            )
         criterion = self.criterion or trainer_loss.ghost_criterion(self.label_smoother)  # smoothed per example
         extra: dict[str, Any] = {"criterion": criterion} if self._ghost else {}
         self.model.train()  # as training_step does; evaluate() or from_pretrained leave eval mode, Opacus refuses it
@@ -202,11 +206,19 @@ class DPTrainer(Trainer):
             self._ranks = rank_wrapper(self.model)
         module = self.model if self._ranks is None else self._ranks
         out = self.privacy_engine.make_private(
-            module=module, optimizer=optimizer, data_loader=self._logical_loader, noise_multiplier=sigma,
-            max_grad_norm=self.max_grad_norm, poisson_sampling=True, grad_sample_mode=self.grad_sample_mode,
-            wrap_model=False, post_hooks=self.post_hooks_spec, doctor=self.doctor_setting,
-            **extra, **self.make_private_kwargs,
-        )  # fmt: skip
+            module=module,
+            optimizer=optimizer,
+            data_loader=self._logical_loader,
+            noise_multiplier=sigma,
+            max_grad_norm=self.max_grad_norm,
+            poisson_sampling=True,
+            grad_sample_mode=self.grad_sample_mode,
+            wrap_model=False,
+            post_hooks=self.post_hooks_spec,
+            doctor=self.doctor_setting,
+            **extra,
+            **self.make_private_kwargs,
+        )
         self._hooks, self._dp = out[0], out[1]
         self._dp_criterion = out[2] if self._ghost else None
         if self.privacy_engine.doctor is not None:  # the steps draw from our Poisson loader, not make_private's
@@ -217,9 +229,13 @@ class DPTrainer(Trainer):
         if self._resume is not None:
             self._restore(self._resume)
         self.budget_steps = budget_steps(
-            self.privacy_engine.accountant, max_steps=self.state.max_steps, target_epsilon=self.target_epsilon,
-            noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, delta=self.target_delta,
-        )  # fmt: skip
+            self.privacy_engine.accountant,
+            max_steps=self.state.max_steps,
+            target_epsilon=self.target_epsilon,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate,
+            delta=self.target_delta,
+        )
         self.optimizer = self._dp
         return self._dp
 
@@ -284,13 +300,17 @@ class DPTrainer(Trainer):
         if task == "sequence_classification" and not self._ghost:
             return self.compute_loss(model, inputs)  # the model's mean over the examples
         if labels is None:
-            raise ValueError(f"task {task!r} needs 'labels' in the batch (the loss is computed per example); for a "
-                             "causal LM use DataCollatorForLanguageModeling(tokenizer, mlm=False)")  # fmt: skip
+            raise ValueError(
+                f"task {task!r} needs 'labels' in the batch (the loss is computed per example); for a "
+                "causal LM use DataCollatorForLanguageModeling(tokenizer, mlm=False)"
+            )
         logits = _logits(model(**{k: v for k, v in inputs.items() if k != "labels"}))  # never labels= (trainer_loss)
         if task == "sequence_classification":
             if logits.dim() != 2:
-                raise ValueError(f"ghost clipping: logits {tuple(logits.shape)} with labels {tuple(labels.shape)} "
-                                 "are not sequence classification; pass DPTrainer(task=...)")  # fmt: skip
+                raise ValueError(
+                    f"ghost clipping: logits {tuple(logits.shape)} with labels {tuple(labels.shape)} "
+                    "are not sequence classification; pass DPTrainer(task=...)"
+                )
             return self._dp_criterion(logits, labels)
         losses = example_losses(task, logits, labels, inputs.get("attention_mask"))
         return opacus_loss(losses, loss_reduction=self._dp.loss_reduction, ghost_criterion=self._dp_criterion)
@@ -328,8 +348,9 @@ class DPTrainer(Trainer):
                     f"DPTrainer did not log {sorted(unknown)}: a training log record carries only keys known to be "
                     "public or noised (opacus_spectral.trainer_logs.PUBLIC_LOG_KEYS). Log a value you have "
                     "privatized yourself outside trainer.log, or pass release_nonprivate_stats=True (NOT private).",
-                    RuntimeWarning, stacklevel=2,
-                )  # fmt: skip
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self._dp is not None:
             logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.target_delta)
         super().log(logs, start_time)
@@ -425,8 +446,13 @@ class DPTrainer(Trainer):
         if self._dp is not None and self.args.should_save:
             out = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(out, exist_ok=True)
-            state = dp_state(self._dp_config(), self.privacy_engine.accountant, self.privacy_engine.post_hooks,
-                             self.state.global_step, parameters_digest(self.model, self._dp.original_optimizer))
+            state = dp_state(
+                self._dp_config(),
+                self.privacy_engine.accountant,
+                self.privacy_engine.post_hooks,
+                self.state.global_step,
+                parameters_digest(self.model, self._dp.original_optimizer),
+            )
             torch.save(state, os.path.join(out, DP_STATE_FILE))
         super()._save_checkpoint(model, trial)
 

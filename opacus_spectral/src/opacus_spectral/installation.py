@@ -195,7 +195,8 @@ class PostHookHandle:
         if self.pipeline.oracle:
             scale = self._scale if self._scale is not None else clean_scale(opt)
             clean = [
-                (p.summed_grad.view_as(p.grad) * scale) if getattr(p, "summed_grad", None) is not None
+                (p.summed_grad.view_as(p.grad) * scale)
+                if getattr(p, "summed_grad", None) is not None
                 else torch.full_like(p.grad, float("nan"))
                 for p in params
             ]

@@ -62,4 +62,3 @@ def batch_size(inputs: Any) -> int | None:
         if torch.is_tensor(v) and v.dim() > 0:
             return int(v.shape[0])
     return None
-

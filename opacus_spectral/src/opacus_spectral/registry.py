@@ -86,6 +86,7 @@ class Registry:
             if self._loaded:
                 return
             self._loaded = True
+
             def order(ep: Any) -> tuple[bool, str]:  # built-ins first, so a plugin can never shadow them
                 return (getattr(getattr(ep, "dist", None), "name", None) != "opacus-spectral", ep.name)
 
@@ -113,9 +114,14 @@ class Registry:
             self._dist[name] = distribution
             self._denoisers = None
             for unknown in self._unknown_hooks(plugin):
-                self._fail(name, distribution, "register", LookupError(
-                    f"unknown hook {unknown!r} (no such hookspec in opacus_spectral.hookspecs; a typo?) — ignored"
-                ))  # fmt: skip
+                self._fail(
+                    name,
+                    distribution,
+                    "register",
+                    LookupError(
+                        f"unknown hook {unknown!r} (no such hookspec in opacus_spectral.hookspecs; a typo?) — ignored"
+                    ),
+                )
             return True
 
     def _unknown_hooks(self, plugin: object) -> list[str]:

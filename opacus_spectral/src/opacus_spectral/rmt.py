@@ -162,8 +162,12 @@ class RMTDenoiser(Denoiser):
             raise ValueError(f"false_shut must be a float in (0, 1e-3), got {false_shut!r}")
         if max_extra_memory is not None and not (isinstance(max_extra_memory, (int, float)) and max_extra_memory > 0):
             raise ValueError(f"max_extra_memory must be a positive number or None, got {max_extra_memory!r}")
-        for key, val in (("gram_max", gram_max), ("krylov_min", krylov_min), ("oversample", oversample),
-                         ("max_iter", max_iter)):  # fmt: skip
+        for key, val in (
+            ("gram_max", gram_max),
+            ("krylov_min", krylov_min),
+            ("oversample", oversample),
+            ("max_iter", max_iter),
+        ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{key} must be a positive int, got {val!r}")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
@@ -251,8 +255,13 @@ class RMTDenoiser(Denoiser):
                 n_matrices += len(chunk)
                 # one matrix: a view of the gradient itself (no copy); several: one stacked copy
                 first = chunk[0][1]
-                single = (len(chunk) == 1 and self.inplace and not self.collect and first.is_contiguous()
-                          and first.data_ptr() == grads[chunk[0][0]].tensor.data_ptr())  # fmt: skip
+                single = (
+                    len(chunk) == 1
+                    and self.inplace
+                    and not self.collect
+                    and first.is_contiguous()
+                    and first.data_ptr() == grads[chunk[0][0]].tensor.data_ptr()
+                )
                 stacked = first.unsqueeze(0) if single else torch.stack([mat for _, mat in chunk])
                 sigmas = [float(grads[i].sigma) for i, _ in chunk]
                 # one noise level for the whole chunk (the usual case) stays a float: no host→device copy
@@ -261,18 +270,38 @@ class RMTDenoiser(Denoiser):
                 )
                 before = self._spectra(stacked) if self.collect else None
                 res = rmt_denoise(
-                    stacked, sigma, gate=self.gate, kappa=self.kappa, false_alarm=self.false_alarm,
+                    stacked,
+                    sigma,
+                    gate=self.gate,
+                    kappa=self.kappa,
+                    false_alarm=self.false_alarm,
                     tw_centering=self.tw_centering,  # type: ignore[arg-type]
-                    norm_correction=self.norm_correction, residual=self.residual, method=self.method,
-                    gram_max=self.gram_max, screen=self.screen, krylov_min=self.krylov_min,
-                    oversample=self.oversample, max_iter=self.max_iter, tol=self.tol, false_shut=self.false_shut,
-                    compute_dtype=self.compute_dtype, seed=self.seed, inplace=True,
-                )  # fmt: skip
+                    norm_correction=self.norm_correction,
+                    residual=self.residual,
+                    method=self.method,
+                    gram_max=self.gram_max,
+                    screen=self.screen,
+                    krylov_min=self.krylov_min,
+                    oversample=self.oversample,
+                    max_iter=self.max_iter,
+                    tol=self.tol,
+                    false_shut=self.false_shut,
+                    compute_dtype=self.compute_dtype,
+                    seed=self.seed,
+                    inplace=True,
+                )
                 n_gated = res.gated.sum()
                 n_bad = (~res.finite).sum()
                 m, n = shape
-                tau = gate_threshold(torch.as_tensor(sigma, dtype=res.top.dtype, device=res.top.device), m, n,
-                                     self.gate, self.kappa, self.false_alarm, self.tw_centering)  # type: ignore[arg-type]
+                tau = gate_threshold(
+                    torch.as_tensor(sigma, dtype=res.top.dtype, device=res.top.device),
+                    m,
+                    n,
+                    self.gate,
+                    self.kappa,
+                    self.false_alarm,
+                    self.tw_centering,
+                )  # type: ignore[arg-type]
                 n_marginal = (res.gated & (res.top < 1.05 * tau)).sum()
                 marginal_total = n_marginal if marginal_total is None else marginal_total + n_marginal
                 gated_total = n_gated if gated_total is None else gated_total + n_gated.to(gated_total.device)
@@ -332,9 +361,12 @@ class RMTDenoiser(Denoiser):
             warnings.warn(
                 f"{n_marginal} of the {n_gated} gates rmt opened in its first {self.warn_after} steps were "
                 "marginal (top singular value within 5 % of the threshold): likely noise crossing the gate. "
-                + ("Consider the defaults gate='tracy_widom' (a stated false-alarm rate) and "
-                   "norm_correction='clean_estimate'" if self.gate == "kappa" or self.norm_correction == "noisy"
-                   else "the signal sits at the noise edge, where denoising gains little"),
+                + (
+                    "Consider the defaults gate='tracy_widom' (a stated false-alarm rate) and "
+                    "norm_correction='clean_estimate'"
+                    if self.gate == "kappa" or self.norm_correction == "noisy"
+                    else "the signal sits at the noise edge, where denoising gains little"
+                ),
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -89,6 +89,7 @@ def resolve_residual(value: float | str) -> float | str:
         raise ValueError(f"residual must be a number in [0, 1] or 'james_stein', got {value!r}")
     return float(value)
 
+
 # --------------------------------------------------------------------------------------------------
 # Scalar RMT maps (elementwise on tensors; m, n are Python numbers)
 
@@ -175,8 +176,9 @@ class DenoiseResult(NamedTuple):
     work: dict[str, int] | None = None  #: screen statistics (see :func:`rmt_denoise`), host integers
 
 
-def _residual_factor(norm2: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
-                     ) -> Tensor:  # fmt: skip
+def _residual_factor(
+    norm2: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
+) -> Tensor:
     """ρ (B,): the constant, or the James–Stein factor ``max(0, 1 − (m−k)(n−k)s²/‖R‖²)`` (§1.11; ``norm2`` = ‖X‖²)."""
     if residual != "james_stein":
         return torch.full_like(sigma, float(residual))
@@ -188,8 +190,9 @@ def _residual_factor(norm2: Tensor, sv: Tensor, eta: Tensor, sigma: Tensor, m: i
     return rho.clamp(0.0, 1.0)
 
 
-def _shrink_full(x: Tensor, sigma: Tensor, m: int, n: int, residual: float | str = 0.0
-                 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _shrink_full(
+    x: Tensor, sigma: Tensor, m: int, n: int, residual: float | str = 0.0
+) -> tuple[Tensor, Tensor, Tensor]:
     """The reference: a full SVD of every matrix."""
     u, sv, vh = torch.linalg.svd(x, full_matrices=False)
     eta = shrink_singular_values(sv, sigma[:, None], m, n)
@@ -201,8 +204,7 @@ def _shrink_full(x: Tensor, sigma: Tensor, m: int, n: int, residual: float | str
     return rho[:, None, None] * x + u @ (coef.unsqueeze(-1) * vh), sv[:, 0], eta
 
 
-def _project_lowrank(xo: Tensor, u: Tensor, coef: Tensor, rho: Tensor | None, transposed: bool, out: Tensor
-                     ) -> Tensor:  # fmt: skip
+def _project_lowrank(xo: Tensor, u: Tensor, coef: Tensor, rho: Tensor | None, transposed: bool, out: Tensor) -> Tensor:
     """Ĝ = ρX + U diag(coef) Uᵀ X in ``O(mnk)`` (``docs/math.md`` §1.12.5), written into ``out``.
 
     ``xo`` is the matrix in its original orientation; ``X = xo`` (m ≤ n) or ``X = xoᵀ`` (``transposed``), so
@@ -371,9 +373,13 @@ def rmt_denoise(
         all_active = work.numel() == bsz
         xw = x if all_active else x.index_select(0, work)
         opened, undecided, lanczos = krylov_screen(
-            xw, tau2.index_select(0, work), block=oversample, max_steps=max_iter, false_shut=false_shut,
+            xw,
+            tau2.index_select(0, work),
+            block=oversample,
+            max_steps=max_iter,
+            false_shut=false_shut,
             generator=gen,
-        )  # fmt: skip
+        )
         und = undecided.nonzero().squeeze(-1)
         stats["krylov_steps"], stats["undecided"] = lanczos.steps, und.numel()
         if und.numel():  # the exact re-check of the borderline ones

@@ -167,8 +167,12 @@ def check_denoiser(
     seqs = []
     for _ in range(2):
         pipe = PostNoisePipeline([factory()])
-        seqs.append([_run(pipe, make_gradients(s, sigma=sigma, layout=layout, device=device), infos, sigma)
-                     for s in range(steps)])
+        seqs.append(
+            [
+                _run(pipe, make_gradients(s, sigma=sigma, layout=layout, device=device), infos, sigma)
+                for s in range(steps)
+            ]
+        )
     for s in range(steps):
         assert _equal(seqs[0][s], seqs[1][s]), f"{name}: not deterministic at step {s}"
 
@@ -229,8 +233,11 @@ def _check_declared_noise(
         outs = _outputs_of(records, d(records))
         gains = declare(records)
         gains = [gains] * len(records) if isinstance(gains, (str, int, float)) else list(gains)
-        z = [o.double().reshape(-1) / (float(g) * sigma) for o, g in zip(outs, gains, strict=True)
-             if isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0 and o.numel()]  # fmt: skip
+        z = [
+            o.double().reshape(-1) / (float(g) * sigma)
+            for o, g in zip(outs, gains, strict=True)
+            if isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0 and o.numel()
+        ]
         if not z:
             continue
         pooled = torch.cat(z)

@@ -32,9 +32,14 @@ def epsilon_after(accountant: Any, more: int, *, noise_multiplier: float, sample
 
 
 def budget_steps(
-    accountant: Any, *, max_steps: int, target_epsilon: float | None, noise_multiplier: float, sample_rate: float,
+    accountant: Any,
+    *,
+    max_steps: int,
+    target_epsilon: float | None,
+    noise_multiplier: float,
+    sample_rate: float,
     delta: float,
-) -> int | None:  # fmt: skip
+) -> int | None:
     """The largest total number of DP steps within ``target_epsilon`` (None: all of ``max_steps`` fits)."""
     if target_epsilon is None:
         return None
@@ -75,6 +80,8 @@ class DPControl(TrainerCallback):
         if t.budget_steps is not None and counted >= t.budget_steps:
             warnings.warn(
                 f"stopping at step {counted}: one more step would exceed target_epsilon={t.target_epsilon} "
-                f"(epsilon now {t.get_epsilon():.4g})", RuntimeWarning, stacklevel=2,
-            )  # fmt: skip
+                f"(epsilon now {t.get_epsilon():.4g})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             control.should_training_stop = True

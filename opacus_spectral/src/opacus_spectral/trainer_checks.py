@@ -30,8 +30,10 @@ def check_supported(t: Any) -> None:
     if t.target_epsilon is not None and not t.target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {t.target_epsilon}")
     if t.target_epsilon is not None and t.noise_multiplier == 0:
-        raise ValueError("noise_multiplier=0 spends epsilon = inf at the first step, so no target_epsilon can hold: "
-                         "drop target_epsilon for a non-private reference run, or give a noise_multiplier > 0")
+        raise ValueError(
+            "noise_multiplier=0 spends epsilon = inf at the first step, so no target_epsilon can hold: "
+            "drop target_epsilon for a non-private reference run, or give a noise_multiplier > 0"
+        )
     check_run_length(a.max_steps, a.num_train_epochs)
     if t.train_dataset is not None:
         check_train_dataset(t.train_dataset)
@@ -40,38 +42,72 @@ def check_supported(t: Any) -> None:
             f"max_grad_norm (the per-example clipping bound C) must be finite and > 0, got {t.max_grad_norm}: "
             "the noise std is σ·C, so C sets the privacy guarantee"
         )
-    taken = set(t.make_private_kwargs) & {"module", "optimizer", "data_loader", "noise_multiplier", "wrap_model",
-                                          "max_grad_norm", "poisson_sampling", "grad_sample_mode", "criterion",
-                                          "post_hooks", "doctor"}  # fmt: skip
+    taken = set(t.make_private_kwargs) & {
+        "module",
+        "optimizer",
+        "data_loader",
+        "noise_multiplier",
+        "wrap_model",
+        "max_grad_norm",
+        "poisson_sampling",
+        "grad_sample_mode",
+        "criterion",
+        "post_hooks",
+        "doctor",
+    }
     if taken:
         raise ValueError(f"make_private_kwargs may not set {sorted(taken)}: DPTrainer sets them")
     parallelism = unsupported_parallelism(t)  # plain data parallel (torchrun) runs: .trainer_distributed
     refusals = [
-        (a.fp16, "fp16 mixed precision: its GradScaler scales the loss (Opacus would clip scaled per-example "
-         "gradients) and skips steps with inf/NaN after the accountant counted them. Use bf16 or float32."),
-        (a.torch_compile or type(t.model).__name__ == "OptimizedModule",
-         "torch.compile: Opacus' per-sample hooks do not run inside a compiled graph. Train uncompiled."),
-        (a.n_gpu > 1, f"{a.n_gpu} GPUs in one process (nn.DataParallel): Opacus' hooks see only one replica. "
-         "Make one GPU visible (CUDA_VISIBLE_DEVICES)."),
+        (
+            a.fp16,
+            "fp16 mixed precision: its GradScaler scales the loss (Opacus would clip scaled per-example "
+            "gradients) and skips steps with inf/NaN after the accountant counted them. Use bf16 or float32.",
+        ),
+        (
+            a.torch_compile or type(t.model).__name__ == "OptimizedModule",
+            "torch.compile: Opacus' per-sample hooks do not run inside a compiled graph. Train uncompiled.",
+        ),
+        (
+            a.n_gpu > 1,
+            f"{a.n_gpu} GPUs in one process (nn.DataParallel): Opacus' hooks see only one replica. "
+            "Make one GPU visible (CUDA_VISIBLE_DEVICES).",
+        ),
         (parallelism is not None, parallelism),
         (t.task == "causal_lm" and a.world_size > 1 and a.eval_strategy != "no", EVALUATION),
-        (a.train_sampling_strategy != "random", f"train_sampling_strategy={a.train_sampling_strategy!r}: DP-SGD "
-         "needs Poisson sampling, which decides the batches itself. Leave it at 'random'."),
+        (
+            a.train_sampling_strategy != "random",
+            f"train_sampling_strategy={a.train_sampling_strategy!r}: DP-SGD "
+            "needs Poisson sampling, which decides the batches itself. Leave it at 'random'.",
+        ),
         (a.dataloader_drop_last, "dataloader_drop_last: Poisson batches have no fixed size to drop."),
-        (a.auto_find_batch_size, "auto_find_batch_size: changing the batch size changes the sampling rate the "
-         "accountant assumed."),
-        (bool(getattr(a, "activation_checkpointing", False)), "activation checkpointing: the recomputed forward "
-         "pass fires Opacus' activation hooks twice. Train without it."),
-        (a.include_num_input_tokens_seen not in ("no", False) and not t.release_nonprivate_stats,
-         "include_num_input_tokens_seen: the token count of the sampled batches is not private; pass "
-         "release_nonprivate_stats=True to log it anyway."),
-        (a.bf16 and t.grad_sample_mode == "ghost", "bf16 under ghost clipping: Opacus computes the per-example norms "
-         "from bfloat16 activations and the clipped gradient in a second bfloat16 backward, so a clipped example can "
-         "exceed max_grad_norm (opacus_spectral.trainer_precision). Use grad_sample_mode='hooks' or float32."),
-        (t.task in ("causal_lm", "token_classification") and bool(t.criterion or t.compute_loss_func
-         or a.label_smoothing_factor or _overrides_compute_loss(t)), "criterion, compute_loss_func, "
-         f"label_smoothing_factor or an overridden compute_loss for task={t.task!r}: DPTrainer computes each "
-         "example's own token mean (opacus_spectral.trainer_loss) and would ignore them. Remove them."),
+        (
+            a.auto_find_batch_size,
+            "auto_find_batch_size: changing the batch size changes the sampling rate the accountant assumed.",
+        ),
+        (
+            bool(getattr(a, "activation_checkpointing", False)),
+            "activation checkpointing: the recomputed forward "
+            "pass fires Opacus' activation hooks twice. Train without it.",
+        ),
+        (
+            a.include_num_input_tokens_seen not in ("no", False) and not t.release_nonprivate_stats,
+            "include_num_input_tokens_seen: the token count of the sampled batches is not private; pass "
+            "release_nonprivate_stats=True to log it anyway.",
+        ),
+        (
+            a.bf16 and t.grad_sample_mode == "ghost",
+            "bf16 under ghost clipping: Opacus computes the per-example norms from bfloat16 activations "
+            "and the clipped gradient in a second bfloat16 backward, so a clipped example can "
+            "exceed max_grad_norm (opacus_spectral.trainer_precision). Use grad_sample_mode='hooks' or float32.",
+        ),
+        (
+            t.task in ("causal_lm", "token_classification")
+            and bool(t.criterion or t.compute_loss_func or a.label_smoothing_factor or _overrides_compute_loss(t)),
+            "criterion, compute_loss_func, "
+            f"label_smoothing_factor or an overridden compute_loss for task={t.task!r}: DPTrainer computes each "
+            "example's own token mean (opacus_spectral.trainer_loss) and would ignore them. Remove them.",
+        ),
     ]
     ghost_loss = loss_refusal(t)
     refusals.append((ghost_loss is not None, ghost_loss))
@@ -92,13 +128,17 @@ def loss_refusal(t: Any) -> str | None:
         return None
     if _overrides_compute_loss(t) or t.compute_loss_func is not None:
         what = f"an overridden {type(t).__name__}.compute_loss" if _overrides_compute_loss(t) else "compute_loss_func"
-        return (f"{what} under ghost clipping: ghost clipping needs each example's loss, which DPTrainer computes "
-                "with criterion= on the logits, so it would bypass it. Pass criterion= (a per-example loss with a "
-                "'reduction' attribute), or use grad_sample_mode='hooks'.")  # fmt: skip
+        return (
+            f"{what} under ghost clipping: ghost clipping needs each example's loss, which DPTrainer computes "
+            "with criterion= on the logits, so it would bypass it. Pass criterion= (a per-example loss with a "
+            "'reduction' attribute), or use grad_sample_mode='hooks'."
+        )
     if t.criterion is not None and t.args.label_smoothing_factor:
-        return ("label_smoothing_factor with a criterion under ghost clipping: DPTrainer applies label smoothing "
-                "only to its default criterion; smooth in your criterion (e.g. nn.CrossEntropyLoss(label_smoothing=.."
-                ")) and drop label_smoothing_factor.")  # fmt: skip
+        return (
+            "label_smoothing_factor with a criterion under ghost clipping: DPTrainer applies label smoothing "
+            "only to its default criterion; smooth in your criterion (e.g. nn.CrossEntropyLoss(label_smoothing=.."
+            ")) and drop label_smoothing_factor."
+        )
     return None
 
 
@@ -117,5 +157,7 @@ def check_train_dataset(dataset: Any) -> None:
     if isinstance(dataset, IterableDataset) or not has_length(dataset):
         raise ValueError("DPTrainer needs a dataset with a length: Poisson sampling draws from all of it")
     if len(dataset) == 0:
-        raise ValueError("DPTrainer cannot train on an empty train_dataset (0 examples): Poisson sampling needs at "
-                         "least one record to draw from; check the dataset's split and filters")  # fmt: skip
+        raise ValueError(
+            "DPTrainer cannot train on an empty train_dataset (0 examples): Poisson sampling needs at "
+            "least one record to draw from; check the dataset's split and filters"
+        )

@@ -16,8 +16,17 @@ __all__ = ["NONPRIVATE_LOG_KEYS", "PUBLIC_LOG_KEYS", "drop_unlisted"]
 
 PUBLIC_LOG_KEYS = frozenset({"epoch", "learning_rate", "step", "epsilon", "delta"})
 #: what the Trainer computes from the private training data without noise
-NONPRIVATE_LOG_KEYS = ("loss", "train_loss", "grad_norm", "num_input_tokens_seen", "total_flos", "train_runtime",
-                       "train_samples_per_second", "train_steps_per_second", "train_tokens_per_second")  # fmt: skip
+NONPRIVATE_LOG_KEYS = (
+    "loss",
+    "train_loss",
+    "grad_norm",
+    "num_input_tokens_seen",
+    "total_flos",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "train_tokens_per_second",
+)
 #: the Trainer's own statistics with these prefixes are dropped without a warning (summary, memory tracker)
 _TRAINER_PREFIXES = ("train_", "init_mem_")
 

@@ -25,8 +25,16 @@ from torch import nn
 
 from .losses import IGNORE_INDEX, next_token_targets, per_sequence_loss
 
-__all__ = ["TASKS", "example_losses", "ghost_criterion", "next_token_loss_sum", "opacus_loss", "resolve_task",
-           "task_of_batch", "token_example_loss"]
+__all__ = [
+    "TASKS",
+    "example_losses",
+    "ghost_criterion",
+    "next_token_loss_sum",
+    "opacus_loss",
+    "resolve_task",
+    "task_of_batch",
+    "token_example_loss",
+]
 
 TASKS = ("causal_lm", "token_classification", "sequence_classification")
 _PEFT_TASKS = {"CAUSAL_LM": "causal_lm", "TOKEN_CLS": "token_classification", "SEQ_CLS": "sequence_classification"}
@@ -89,9 +97,12 @@ def task_of_batch(labels: torch.Tensor | None) -> str:
 
 
 def token_example_loss(
-    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
     ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """(batch,) float32: each example's cross-entropy averaged over its own labelled, unpadded positions
     (no shift; 0 for an example without any)."""
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
@@ -101,8 +112,9 @@ def token_example_loss(
         )
     targets = labels if attention_mask is None else labels.masked_fill(attention_mask == 0, ignore_index)
     batch, steps, classes = logits.shape
-    token = F.cross_entropy(logits.float().reshape(batch * steps, classes), targets.reshape(-1),
-                            ignore_index=ignore_index, reduction="none").view(batch, steps)  # fmt: skip
+    token = F.cross_entropy(
+        logits.float().reshape(batch * steps, classes), targets.reshape(-1), ignore_index=ignore_index, reduction="none"
+    ).view(batch, steps)
     return token.sum(dim=1) / (targets != ignore_index).sum(dim=1).clamp(min=1)
 
 
@@ -119,8 +131,9 @@ def next_token_loss_sum(
     """(sum of the next-token cross-entropies over every target of the batch, float64; the number of targets):
     summed over batches and divided, the per-token mean of an evaluation set."""
     targets = F.pad(next_token_targets(labels, attention_mask), (0, 1), value=IGNORE_INDEX)
-    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                            ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return total.double(), int((targets != IGNORE_INDEX).sum())
 
 

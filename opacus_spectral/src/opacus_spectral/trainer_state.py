@@ -25,14 +25,30 @@ from torch import nn
 
 from .checkpoint import load_checkpoint_file, optimizer_step_count, verify_accountant_history
 
-__all__ = ["DP_STATE_FILE", "ResumeEvidence", "check_parameters", "check_resume", "dp_state", "parameters_digest",
-           "read_checkpoint", "resumed_noise_seed"]
+__all__ = [
+    "DP_STATE_FILE",
+    "ResumeEvidence",
+    "check_parameters",
+    "check_resume",
+    "dp_state",
+    "parameters_digest",
+    "read_checkpoint",
+    "resumed_noise_seed",
+]
 
 DP_STATE_FILE = "opacus_spectral_dp.pt"
 FORMAT = 2
 #: the DP set-up a resumed run must share with its checkpoint
-COMPARED = ("mechanism", "noise_multiplier", "sample_rate", "max_grad_norm", "target_delta", "target_epsilon",
-            "grad_sample_mode", "denoisers")  # fmt: skip
+COMPARED = (
+    "mechanism",
+    "noise_multiplier",
+    "sample_rate",
+    "max_grad_norm",
+    "target_delta",
+    "target_epsilon",
+    "grad_sample_mode",
+    "denoisers",
+)
 _TRAINER_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 
 
@@ -92,8 +108,9 @@ def read_checkpoint(directory: str) -> ResumeEvidence:
     optimizer = load_checkpoint_file(os.path.join(directory, "optimizer.pt"), map_location="cpu")
     scheduler = load_checkpoint_file(os.path.join(directory, "scheduler.pt"), map_location="cpu")
     last = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
-    return ResumeEvidence(directory, dp, trainer_step, optimizer_step_count(optimizer),
-                          None if last is None else int(last))  # fmt: skip
+    return ResumeEvidence(
+        directory, dp, trainer_step, optimizer_step_count(optimizer), None if last is None else int(last)
+    )
 
 
 def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_step: int) -> None:
@@ -106,17 +123,25 @@ def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_ste
             "with the same DPTrainer arguments, TrainingArguments and dataset."
         )
     where = f"{evidence.directory}/{DP_STATE_FILE}"
-    steps = {"the DP state": int(evidence.dp["global_step"]), "trainer_state.json": evidence.trainer_step,
-             "the Trainer": int(global_step)}  # fmt: skip
+    steps = {
+        "the DP state": int(evidence.dp["global_step"]),
+        "trainer_state.json": evidence.trainer_step,
+        "the Trainer": int(global_step),
+    }
     if len(set(steps.values())) > 1:
         raise ValueError(f"cannot resume: the checkpoint's step counts disagree ({_listed(steps)})")
     step = steps["the DP state"]
     verify_accountant_history(
-        evidence.dp["accountant"].get("history", []), noise_multiplier=config["noise_multiplier"],
-        sample_rate=config["sample_rate"], steps=step, where=where,
-    )  # fmt: skip
-    counters = {"optimizer.pt (a parameter's step count)": evidence.optimizer_steps,
-                "scheduler.pt (last_epoch)": evidence.scheduler_step}  # fmt: skip
+        evidence.dp["accountant"].get("history", []),
+        noise_multiplier=config["noise_multiplier"],
+        sample_rate=config["sample_rate"],
+        steps=step,
+        where=where,
+    )
+    counters = {
+        "optimizer.pt (a parameter's step count)": evidence.optimizer_steps,
+        "scheduler.pt (last_epoch)": evidence.scheduler_step,
+    }
     ahead = {k: v for k, v in counters.items() if v is not None and v > step}
     if ahead:
         raise ValueError(

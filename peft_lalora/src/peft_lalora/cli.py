@@ -30,8 +30,11 @@ __all__ = ["CLI_DEFAULTS", "add_dataclass_arguments", "build_parser", "config_fr
 _SECTION9 = "docs/results.md §9"
 #: ``federate`` flags whose default is not the library's (``FederationConfig``): value and evidence
 CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "algo": ("ffa-lora", f"best scheme on both of {_SECTION9}'s splits (final accuracy 0.730 Dirichlet α=1, 0.734 "
-                         "by movie); LA-LoRA lost to DP-LoRA and FFA-LoRA by movie"),
+    "algo": (
+        "ffa-lora",
+        f"best scheme on both of {_SECTION9}'s splits (final accuracy 0.730 Dirichlet α=1, 0.734 "
+        "by movie); LA-LoRA lost to DP-LoRA and FFA-LoRA by movie",
+    ),
     "optimizer": ("sgd", f"{_SECTION9} used SGD; AdamW drove the federated training loss up in pilots (§6)"),
     "lr": (1.0, f"{_SECTION9}'s validation choice for FFA-LoRA and DP-LoRA (SGD grid 0.5, 1, 2, 4)"),
 }
@@ -132,16 +135,27 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
         from .federated.client import REPRODUCIBLE_NOISE_NOTE
 
         print(f"peft-lalora federate: warning: --reproducible-noise: {REPRODUCIBLE_NOISE_NOTE}", file=sys.stderr)
-    for flag, on in (("--release-nonprivate-stats", cfg.release_nonprivate_stats),
-                     ("--publish-label-counts", cfg.publish_label_counts)):  # fmt: skip
+    for flag, on in (
+        ("--release-nonprivate-stats", cfg.release_nonprivate_stats),
+        ("--publish-label-counts", cfg.publish_label_counts),
+    ):
         if on:
-            print(f"peft-lalora federate: warning: {flag}: the result holds noise-free statistics of the clients' "
-                  "data (NOT differentially private)", file=sys.stderr)  # fmt: skip
+            print(
+                f"peft-lalora federate: warning: {flag}: the result holds noise-free statistics of the clients' "
+                "data (NOT differentially private)",
+                file=sys.stderr,
+            )
     if args.runner == "flower":
         from .federated.launcher import run_flower
 
-        out = run_flower(cfg, threads=args.threads, timeout=args.timeout, insecure=args.insecure,
-                         keep_workdir=args.keep_workdir, save_adapter=args.save_adapter)  # fmt: skip
+        out = run_flower(
+            cfg,
+            threads=args.threads,
+            timeout=args.timeout,
+            insecure=args.insecure,
+            keep_workdir=args.keep_workdir,
+            save_adapter=args.save_adapter,
+        )
     else:
         out = _simulate(cfg, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

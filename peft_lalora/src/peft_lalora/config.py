@@ -60,8 +60,7 @@ class LALoraConfig(LoraConfig):
     alternation: AlternationMode = field(
         default="step",
         metadata={
-            "help": "Which LoRA factor trains when: "
-            + "; ".join(f"'{k}' = {v}" for k, v in ALTERNATION_MODES.items())
+            "help": "Which LoRA factor trains when: " + "; ".join(f"'{k}' = {v}" for k, v in ALTERNATION_MODES.items())
         },
     )
     first_factor: Factor = field(

@@ -34,10 +34,14 @@ def test_two_point_gradient_is_the_combination_of_per_example_gradients():
     model = nn.Linear(5, 3)
     engine = PrivacyEngine(accountant="rdp")
     gsm, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
-        noise_multiplier=0.0, max_grad_norm=1e6, allow_non_private=True, poisson_sampling=False,
-    )  # fmt: skip
+        noise_multiplier=0.0,
+        max_grad_norm=1e6,
+        allow_non_private=True,
+        poisson_sampling=False,
+    )
     two = DiskGradient(gsm, kappa=0.7, gamma=0.5)
 
     def loss():
@@ -76,10 +80,14 @@ def test_physical_batches_of_one_logical_step_extrapolate_along_the_same_move():
     x, y = torch.randn(8, 5), torch.randn(8, 3)
     model = nn.Linear(5, 3)
     gsm, opt, _ = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
-        noise_multiplier=0.0, max_grad_norm=1e6, allow_non_private=True, poisson_sampling=False,
-    )  # fmt: skip
+        noise_multiplier=0.0,
+        max_grad_norm=1e6,
+        allow_non_private=True,
+        poisson_sampling=False,
+    )
     two = DiskGradient(gsm, kappa=0.7, gamma=0.5)
 
     def loss(rows: slice):
@@ -107,10 +115,14 @@ def test_ghost_clipping_is_refused():
     model = nn.Linear(3, 2)
     engine = PrivacyEngine()
     out = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3), torch.randn(4, 2)),
-                                                batch_size=4),
-        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost",
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(4, 3), torch.randn(4, 2)), batch_size=4
+        ),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="ghost",
+    )
     with pytest.raises(ValueError, match="per-sample gradients"):
         DiskGradient(out[0])

@@ -94,8 +94,12 @@ def test_make_private_uses_doppler_by_name():
     data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,))), batch_size=16)
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     model, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
-        noise_multiplier=1.0, max_grad_norm=1.0, post_hooks=[("doppler", {"preset": "second_order"})],
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        post_hooks=[("doppler", {"preset": "second_order"})],
     )
     for x, y in dl:
         opt.zero_grad()

@@ -51,10 +51,14 @@ def test_an_undeclared_callable_before_svht_warns_that_it_switches_svht_off():
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 3))
     engine = opacus_spectral.PrivacyEngine(accountant="rdp")
     gsm, opt, dl = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0,
-        post_hooks=[lambda grads: None, "svht"], poisson_sampling=False,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        post_hooks=[lambda grads: None, "svht"],
+        poisson_sampling=False,
+    )
     x, y = next(iter(dl))
     torch.nn.functional.mse_loss(gsm(x), y).backward()
     with pytest.warns(RuntimeWarning, match="svht"):

@@ -64,10 +64,15 @@ METHODS: dict[str, list[Any]] = {
 
 @dataclass
 class Config:
-    experiment: str = opt("audit", "audit: one seed, every method; fdp-validity: the f-DP bound over many seeds",
-                          choices=("audit", "fdp-validity"))  # fmt: skip
-    methods: list[str] = opt(["none", "rmt", "lowpass", "ema+rmt", "doppler"],
-                             "denoisers of the correct engine (doppler is skipped if not installed)")  # fmt: skip
+    experiment: str = opt(
+        "audit",
+        "audit: one seed, every method; fdp-validity: the f-DP bound over many seeds",
+        choices=("audit", "fdp-validity"),
+    )
+    methods: list[str] = opt(
+        ["none", "rmt", "lowpass", "ema+rmt", "doppler"],
+        "denoisers of the correct engine (doppler is skipped if not installed)",
+    )
     faults: list[str] = opt(["sigma/2", "sigma/4", "leak:1", "leak:3"], "broken engines: sigma/K or leak:W")
     canaries: int = opt(10000, "white-box: number of Dirac gradient canaries m")
     mu: float = opt(0.5, "white-box: μ = √steps/σ of a canary (sets σ; claimed ε ≈ 2.0 at μ = 0.5, δ = 1e-5)")
@@ -178,9 +183,14 @@ def train(
     leak = CleanLeak(fault[1]) if fault is not None and fault[0] == "leak" else None
     hooks = list(METHODS[method]) if fault is None else [leak] if leak is not None else []
     module, dp_opt, loader = engine.make_private(
-        module=model, optimizer=opt_, data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-        noise_multiplier=sigma, max_grad_norm=1.0, poisson_sampling=True, post_hooks=hooks,
-    )  # fmt: skip
+        module=model,
+        optimizer=opt_,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+        noise_multiplier=sigma,
+        max_grad_norm=1.0,
+        poisson_sampling=True,
+        post_hooks=hooks,
+    )
     if leak is not None:
         leak.optimizer = dp_opt
     canaries = GradientCanaries(dp_opt, white_box, module=module, seed=seed) if white_box else None
@@ -208,27 +218,50 @@ def white_box(cfg: Config, task: Any, methods: list[str]) -> list[dict[str, Any]
     sigma = cfg.steps**0.5 / cfg.mu
     rows = []
     for method in methods:
-        run = train(build("mlp", cfg.seed), task.train, method=method, sigma=sigma, batch=cfg.batch,
-                    physical=cfg.physical_batch, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
-                    white_box=cfg.canaries)  # fmt: skip
+        run = train(
+            build("mlp", cfg.seed),
+            task.train,
+            method=method,
+            sigma=sigma,
+            batch=cfg.batch,
+            physical=cfg.physical_batch,
+            steps=cfg.steps,
+            lr=cfg.lr,
+            seed=cfg.seed,
+            white_box=cfg.canaries,
+        )
         can: GradientCanaries = run["canaries"]
         res = can.audit(delta=cfg.delta, confidence=cfg.confidence)
         fdp = can.audit(delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
         claimed = can.claimed_epsilon(cfg.delta)
-        rows.append({
-            "method": method, "kind": _kind(method), "epsilon_lower": res.epsilon_lower,
-            "epsilon_accountant": claimed, "above_accountant": bool(res.epsilon_lower > claimed),
-            "epsilon_lower_fdp": fdp.epsilon_lower, "mu_lower_fdp": fdp.mu_lower, "mu_accountant": can.claimed_mu(),
-            "above_accountant_fdp": bool(fdp.epsilon_lower > claimed), "fdp_guesses": fdp.num_guesses,
-            "fdp_correct": fdp.num_correct,
-            "epsilon_accountant_data": float(run["engine"].get_epsilon(cfg.delta)), "sigma": sigma,
-            "steps": can.steps, **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
-            "test_accuracy": evaluate(run["module"], task.test, None)["accuracy"], "train_seconds": run["seconds"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "kind": _kind(method),
+                "epsilon_lower": res.epsilon_lower,
+                "epsilon_accountant": claimed,
+                "above_accountant": bool(res.epsilon_lower > claimed),
+                "epsilon_lower_fdp": fdp.epsilon_lower,
+                "mu_lower_fdp": fdp.mu_lower,
+                "mu_accountant": can.claimed_mu(),
+                "above_accountant_fdp": bool(fdp.epsilon_lower > claimed),
+                "fdp_guesses": fdp.num_guesses,
+                "fdp_correct": fdp.num_correct,
+                "epsilon_accountant_data": float(run["engine"].get_epsilon(cfg.delta)),
+                "sigma": sigma,
+                "steps": can.steps,
+                **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
+                "test_accuracy": evaluate(run["module"], task.test, None)["accuracy"],
+                "train_seconds": run["seconds"],
+            }
+        )
         can.remove()
         acc = rows[-1]["test_accuracy"]
-        print(f"white-box {method:>8}: ε_lower {res.epsilon_lower:.3f} (f-DP {fdp.epsilon_lower:.3f}) vs accountant "
-              f"{claimed:.3f} ({res.num_correct}/{res.num_guesses} right), acc {acc:.3f}", flush=True)  # fmt: skip
+        print(
+            f"white-box {method:>8}: ε_lower {res.epsilon_lower:.3f} (f-DP {fdp.epsilon_lower:.3f}) vs accountant "
+            f"{claimed:.3f} ({res.num_correct}/{res.num_guesses} right), acc {acc:.3f}",
+            flush=True,
+        )
     return rows
 
 
@@ -242,18 +275,36 @@ def black_box(cfg: Config, task: Any) -> list[dict[str, Any]]:
     data = torch.utils.data.ConcatDataset([torch.utils.data.TensorDataset(x[sub], y[sub]), canaries.dataset()])
     rows = []
     for method in cfg.bb_methods:
-        run = train(build("mlp", cfg.seed), data, method=method, sigma=cfg.bb_sigma, batch=cfg.bb_batch,
-                    physical=cfg.physical_batch, steps=cfg.bb_steps, lr=cfg.lr, seed=cfg.seed)  # fmt: skip
+        run = train(
+            build("mlp", cfg.seed),
+            data,
+            method=method,
+            sigma=cfg.bb_sigma,
+            batch=cfg.bb_batch,
+            physical=cfg.physical_batch,
+            steps=cfg.bb_steps,
+            lr=cfg.lr,
+            seed=cfg.seed,
+        )
         res = canaries.audit(run["module"], delta=cfg.delta, confidence=cfg.confidence)
         claimed = float(run["engine"].get_epsilon(cfg.delta))
-        rows.append({
-            "method": method, "kind": _kind(method), "epsilon_lower": res.epsilon_lower,
-            "epsilon_accountant": claimed, "above_accountant": bool(res.epsilon_lower > claimed),
-            **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
-            "test_accuracy": evaluate(run["module"], task.test, None)["accuracy"], "train_seconds": run["seconds"],
-        })  # fmt: skip
-        print(f"black-box {method:>8}: ε_lower {res.epsilon_lower:.3f} vs accountant {claimed:.3f} "
-              f"({res.num_correct}/{res.num_guesses} right)", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "kind": _kind(method),
+                "epsilon_lower": res.epsilon_lower,
+                "epsilon_accountant": claimed,
+                "above_accountant": bool(res.epsilon_lower > claimed),
+                **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
+                "test_accuracy": evaluate(run["module"], task.test, None)["accuracy"],
+                "train_seconds": run["seconds"],
+            }
+        )
+        print(
+            f"black-box {method:>8}: ε_lower {res.epsilon_lower:.3f} vs accountant {claimed:.3f} "
+            f"({res.num_correct}/{res.num_guesses} right)",
+            flush=True,
+        )
     return rows
 
 
@@ -262,18 +313,37 @@ def validity_run(cfg: Config, data: torch.utils.data.Dataset, method: str, seed:
     """One seed of one method: both bounds against the canaries' claim (a fresh model, canaries and noise)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(data.tensors[0].shape[1], 64), nn.Tanh(), nn.Linear(64, 10))
-    run = train(model, data, method=method, sigma=cfg.steps**0.5 / cfg.mu, batch=cfg.fv_batch, physical=cfg.fv_batch,
-                steps=cfg.steps, lr=cfg.lr, seed=seed, white_box=cfg.fv_canaries)  # fmt: skip
+    run = train(
+        model,
+        data,
+        method=method,
+        sigma=cfg.steps**0.5 / cfg.mu,
+        batch=cfg.fv_batch,
+        physical=cfg.fv_batch,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        seed=seed,
+        white_box=cfg.fv_canaries,
+    )
     can: GradientCanaries = run["canaries"]
     snj = can.audit(delta=cfg.delta, confidence=cfg.confidence)
     fdp = can.audit(delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
     claimed = can.claimed_epsilon(cfg.delta)
     can.remove()
-    return {"method": method, "kind": _kind(method), "seed": seed, "epsilon_accountant": claimed,
-            "mu_accountant": can.claimed_mu(), "epsilon_lower_snj": snj.epsilon_lower,
-            "epsilon_lower_fdp": fdp.epsilon_lower, "mu_lower_fdp": fdp.mu_lower, "fdp_guesses": fdp.num_guesses,
-            "fdp_correct": fdp.num_correct, "above_snj": bool(snj.epsilon_lower > claimed),
-            "above_fdp": bool(fdp.epsilon_lower > claimed)}  # fmt: skip
+    return {
+        "method": method,
+        "kind": _kind(method),
+        "seed": seed,
+        "epsilon_accountant": claimed,
+        "mu_accountant": can.claimed_mu(),
+        "epsilon_lower_snj": snj.epsilon_lower,
+        "epsilon_lower_fdp": fdp.epsilon_lower,
+        "mu_lower_fdp": fdp.mu_lower,
+        "fdp_guesses": fdp.num_guesses,
+        "fdp_correct": fdp.num_correct,
+        "above_snj": bool(snj.epsilon_lower > claimed),
+        "above_fdp": bool(fdp.epsilon_lower > claimed),
+    }
 
 
 def validity_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -284,8 +354,11 @@ def validity_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[method] = {"kind": mine[0]["kind"], "runs": len(mine), "epsilon_accountant": mine[0]["epsilon_accountant"]}
         for b in ("fdp", "snj"):
             lower = [r[f"epsilon_lower_{b}"] for r in mine]
-            out[method] |= {f"above_{b}": sum(r[f"above_{b}"] for r in mine), f"max_epsilon_lower_{b}": max(lower),
-                            f"median_epsilon_lower_{b}": float(np.median(lower))}  # fmt: skip
+            out[method] |= {
+                f"above_{b}": sum(r[f"above_{b}"] for r in mine),
+                f"max_epsilon_lower_{b}": max(lower),
+                f"median_epsilon_lower_{b}": float(np.median(lower)),
+            }
     return out
 
 
@@ -300,12 +373,16 @@ def simulated(cfg: Config) -> dict[str, dict[str, Any]]:
             inc = rng.random(m) < 0.5
             scores = mu * inc + rng.standard_normal(m)
             for b in lower:
-                lower[b].append(audit_scores(scores, inc, delta=cfg.delta, confidence=cfg.confidence, bound=b)
-                                .epsilon_lower)  # fmt: skip
+                lower[b].append(
+                    audit_scores(scores, inc, delta=cfg.delta, confidence=cfg.confidence, bound=b).epsilon_lower
+                )
         out[name] = {"mu": mu, "runs": cfg.fv_simulated, "epsilon_accountant": claim}
         for b, xs in lower.items():
-            out[name] |= {f"above_{b}": int(np.sum(np.array(xs) > claim)), f"max_epsilon_lower_{b}": max(xs),
-                          f"median_epsilon_lower_{b}": float(np.median(xs))}  # fmt: skip
+            out[name] |= {
+                f"above_{b}": int(np.sum(np.array(xs) > claim)),
+                f"max_epsilon_lower_{b}": max(xs),
+                f"median_epsilon_lower_{b}": float(np.median(xs)),
+            }
     return out
 
 
@@ -318,9 +395,12 @@ def fdp_validity(cfg: Config) -> dict[str, Any]:
         for seed in range(cfg.seed, cfg.seed + cfg.fv_seeds):
             rows.append(validity_run(cfg, data, method, seed))
         s = validity_summary(rows)[method]
-        print(f"{method:>8}: ε_lower > {s['epsilon_accountant']:.3f} in {s['above_fdp']}/{s['runs']} runs (f-DP), "
-              f"{s['above_snj']}/{s['runs']} (SNJ); largest {s['max_epsilon_lower_fdp']:.3f} / "
-              f"{s['max_epsilon_lower_snj']:.3f}", flush=True)  # fmt: skip
+        print(
+            f"{method:>8}: ε_lower > {s['epsilon_accountant']:.3f} in {s['above_fdp']}/{s['runs']} runs (f-DP), "
+            f"{s['above_snj']}/{s['runs']} (SNJ); largest {s['max_epsilon_lower_fdp']:.3f} / "
+            f"{s['max_epsilon_lower_snj']:.3f}",
+            flush=True,
+        )
     sim = simulated(cfg) if cfg.fv_simulated else {}
     for name, r in sim.items():
         print(
@@ -341,18 +421,30 @@ def plot_validity(res: dict[str, Any], path: Path) -> None:
     for i, method in enumerate(summary):
         mine = [r for r in rows if r["method"] == method]
         jitter = np.linspace(-0.12, 0.12, len(mine))
-        ax.scatter(i - 0.17 + jitter, [r["epsilon_lower_snj"] for r in mine], s=12, color="tab:gray",
-                   label="SNJ (ε, δ) bound" if i == 0 else None)  # fmt: skip
-        ax.scatter(i + 0.17 + jitter, [r["epsilon_lower_fdp"] for r in mine], s=12,
-                   color="tab:blue" if summary[method]["kind"] == "correct" else "tab:red",
-                   label="f-DP bound" if i == 0 else None)  # fmt: skip
+        ax.scatter(
+            i - 0.17 + jitter,
+            [r["epsilon_lower_snj"] for r in mine],
+            s=12,
+            color="tab:gray",
+            label="SNJ (ε, δ) bound" if i == 0 else None,
+        )
+        ax.scatter(
+            i + 0.17 + jitter,
+            [r["epsilon_lower_fdp"] for r in mine],
+            s=12,
+            color="tab:blue" if summary[method]["kind"] == "correct" else "tab:red",
+            label="f-DP bound" if i == 0 else None,
+        )
     claim = next(iter(summary.values()))["epsilon_accountant"]
     ax.axhline(claim, color="black", lw=1, label=f"accountant's ε = {claim:.3f}")
     ax.set_ylim(bottom=0)
     ax.set_xticks(range(len(summary)), list(summary))
     ax.set_ylabel(f"ε_lower at δ = {res['config']['delta']:g} (95 %)")
-    ax.set_title(f"One-run audit over {res['config']['fv_seeds']} seeds, m = {res['config']['fv_canaries']} "
-                 "gradient canaries (red: noise drawn with σ/2)", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"One-run audit over {res['config']['fv_seeds']} seeds, m = {res['config']['fv_canaries']} "
+        "gradient canaries (red: noise drawn with σ/2)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -379,8 +471,15 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.bar(at, [r[key] for r in rows], width, color=colors, alpha=alpha, label=f"{label} (95 %)")
             for x, r in zip(at, rows, strict=True):
                 ax.annotate(f"{r[key]:.2f}", (x, r[key]), ha="center", va="bottom", fontsize=7)
-        ax.scatter(xs, [r["epsilon_accountant"] for r in rows], marker="_", s=900, color="black", zorder=3,
-                   label="accountant's ε (the claim)")  # fmt: skip
+        ax.scatter(
+            xs,
+            [r["epsilon_accountant"] for r in rows],
+            marker="_",
+            s=900,
+            color="black",
+            zorder=3,
+            label="accountant's ε (the claim)",
+        )
         top = max(r[k] for r in rows for k in ("epsilon_accountant", *(b[0] for b in bars)))
         ax.set_ylim(0, 1.2 * top)
         ax.set_xticks(xs, [r["method"] for r in rows], rotation=30, ha="right")
@@ -428,8 +527,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def validity_main(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    res: dict[str, Any] = {"command": command_line("audit", argv), "config": as_json(cfg), "versions": versions(),
-                           "machine": machine(), "fdp_validity": fdp_validity(cfg)}  # fmt: skip
+    res: dict[str, Any] = {
+        "command": command_line("audit", argv),
+        "config": as_json(cfg),
+        "versions": versions(),
+        "machine": machine(),
+        "fdp_validity": fdp_validity(cfg),
+    }
     res["seconds"] = time.perf_counter() - t0
     cfg.fv_out.parent.mkdir(parents=True, exist_ok=True)
     cfg.fv_out.write_text(json.dumps(res, indent=2))

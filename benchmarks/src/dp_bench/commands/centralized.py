@@ -45,8 +45,18 @@ from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..task import frozen_text_task
 from ..train import evaluate, run_dp
 
-__all__ = ["Config", "analyze", "crossing_step", "eps_at_accuracy", "main", "method_hooks", "planned_runs", "replot",
-           "run", "tables"]  # fmt: skip
+__all__ = [
+    "Config",
+    "analyze",
+    "crossing_step",
+    "eps_at_accuracy",
+    "main",
+    "method_hooks",
+    "planned_runs",
+    "replot",
+    "run",
+    "tables",
+]
 
 METHODS = ["dp-lora", "rmt", "lowpass", "rmt+lowpass", "doppler", "rmt+doppler"]
 
@@ -100,8 +110,11 @@ def method_hooks(method: str) -> list[str]:
 def calibrate(eps: float, sample_rate: float, steps: int, delta: float = 1e-5) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=sample_rate,
-                                      steps=steps, accountant="prv"))
+    return float(
+        get_noise_multiplier(
+            target_epsilon=eps, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant="prv"
+        )
+    )
 
 
 def hook_specs(names: Sequence[str]) -> list[Any]:
@@ -148,8 +161,9 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    task = frozen_text_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
-                            tiny_test=args.tiny_test)  # fmt: skip
+    task = frozen_text_task(
+        args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
+    )
     n_train = len(task.train)
     q = args.batch_size / n_train
     path = args.out / "centralized.json"
@@ -158,14 +172,16 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = json.loads(path.read_text())
     else:
         result = {"runs": {}}
-    result.update({
-        "command": command_line("centralized", argv),
-        "config": as_json(args),
-        "data": dict(task.info, train=n_train, test=len(task.test)),
-        "sample_rate": q,
-        "versions": versions(),
-        "machine": machine(),
-    })
+    result.update(
+        {
+            "command": command_line("centralized", argv),
+            "config": as_json(args),
+            "data": dict(task.info, train=n_train, test=len(task.test)),
+            "sample_rate": q,
+            "versions": versions(),
+            "machine": machine(),
+        }
+    )
     tr = Trainable.parse(args.trainable)
     eval_at = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     acc0: dict[int, float] = {}
@@ -186,17 +202,36 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         top = build_top(task, tr, seed)
         if seed not in acc0:
             acc0[seed] = evaluate(top, task.test, task.input_names)["accuracy"]
-        r = run_dp(top, task.train, task.test, input_names=task.input_names,
-                   post_hooks=hook_specs(method_hooks(method)), noise_multiplier=nm, batch_size=args.batch_size,
-                   steps=args.steps, seed=seed, lr=args.lr, max_grad_norm=args.max_grad_norm,
-                   physical_batch=args.physical_batch, eval_at=eval_at, desc=f"{method} eps={eps:g} s{seed}")
+        r = run_dp(
+            top,
+            task.train,
+            task.test,
+            input_names=task.input_names,
+            post_hooks=hook_specs(method_hooks(method)),
+            noise_multiplier=nm,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            seed=seed,
+            lr=args.lr,
+            max_grad_norm=args.max_grad_norm,
+            physical_batch=args.physical_batch,
+            eval_at=eval_at,
+            desc=f"{method} eps={eps:g} s{seed}",
+        )
         result["runs"][key] = {
-            "method": method, "hooks": method_hooks(method), "target_epsilon": eps, "epsilon": r["epsilon"],
-            "seed": seed, "noise_multiplier": nm, "curve": [(0, acc0[seed])] + r["curve"],
-            "train_seconds": r["train_seconds"], "per_step": r["per_step"],
+            "method": method,
+            "hooks": method_hooks(method),
+            "target_epsilon": eps,
+            "epsilon": r["epsilon"],
+            "seed": seed,
+            "noise_multiplier": nm,
+            "curve": [(0, acc0[seed])] + r["curve"],
+            "train_seconds": r["train_seconds"],
+            "per_step": r["per_step"],
         }
-        tqdm.write(f"{key:<24} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  "
-                   f"{r['train_seconds']:.0f}s")
+        tqdm.write(
+            f"{key:<24} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  {r['train_seconds']:.0f}s"
+        )
         result["wall_seconds"] = time.perf_counter() - t_start
         path.write_text(json.dumps(result, default=float))
     bar.close()
@@ -255,17 +290,25 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             speed_mean_curve = None if t is None else 1.0 - t / steps
         gated = gated_gain_stats([x for r in seeds.values() for x in r["per_step"]])
         enc_gated = gated_gain_stats(
-            [dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
-             for r in seeds.values() for x in r["per_step"]]
+            [
+                dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
+                for r in seeds.values()
+                for x in r["per_step"]
+            ]
         )
         n_gated = [sum(x.get("gated", 0) for x in r["per_step"]) for r in seeds.values()]
         n_mats = [sum(x.get("matrices", 0) for x in r["per_step"]) for r in seeds.values()]
         cos = [global_cos_stats(r["per_step"]) for r in seeds.values()]
         out[f"{m}|{e:g}"] = {
-            "method": m, "epsilon": e, "seeds": sorted(seeds), "final_acc": mean_std(finals),
+            "method": m,
+            "epsilon": e,
+            "seeds": sorted(seeds),
+            "final_acc": mean_std(finals),
             "acc_at": acc_ck,
             "speedup": mean_std(speed) if speed else (float("nan"), float("nan")),
-            "speedup_per_seed": speed, "speedup_mean_curve": speed_mean_curve, "reached_baseline_final": reached,
+            "speedup_per_seed": speed,
+            "speedup_mean_curve": speed_mean_curve,
+            "reached_baseline_final": reached,
             "n_with_baseline": sum(1 for s in seeds if s in base),
             "eps_saved_per_seed": eps_saved,
             "eps_saved": mean_std([x for x in eps_saved if isinstance(x, float)]),
@@ -274,14 +317,18 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             "cos_noisy": mean_std([c["cos_noisy"] for c in cos]),
             "cos_denoised": mean_std([c["cos_denoised"] for c in cos]),
             "cos_rel_gain": mean_std([c["rel_gain"] for c in cos]),
-            "gated_gain": gated, "encoder_gated_gain": enc_gated,
-            "gated": int(sum(n_gated)), "matrices": int(sum(n_mats)),
+            "gated_gain": gated,
+            "encoder_gated_gain": enc_gated,
+            "gated": int(sum(n_gated)),
+            "matrices": int(sum(n_mats)),
             "seconds_per_step": mean_std([r["train_seconds"] / max(1, len(r["per_step"])) for r in seeds.values()]),
-            "rmt_seconds_per_step": mean_std([float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]]))
-                                                for r in seeds.values()]),
+            "rmt_seconds_per_step": mean_std(
+                [float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]])) for r in seeds.values()]
+            ),
         }
-    out["_baseline_eps_curve"] = {f"{e:g}": mean_std([r["curve"][-1][1] for r in by[(BASELINE, e)].values()])
-                                  for e in sorted(mean_base)}
+    out["_baseline_eps_curve"] = {
+        f"{e:g}": mean_std([r["curve"][-1][1] for r in by[(BASELINE, e)].values()]) for e in sorted(mean_base)
+    }
     return out
 
 
@@ -296,28 +343,36 @@ def tables(result: dict[str, Any]) -> str:
     an = result.get("analysis") or analyze(result)
     cfg = result["config"]
     ck = [str(s) for s in sorted({int(s) for k, v in an.items() if not k.startswith("_") for s in v["acc_at"]})]
-    show = ck if len(ck) <= 7 else [
-        c for c in ck if int(c) in (0, cfg["steps"]) or int(c) % max(cfg["eval_every"] * 2, 1) == 0
-    ]
+    show = (
+        ck
+        if len(ck) <= 7
+        else [c for c in ck if int(c) in (0, cfg["steps"]) or int(c) % max(cfg["eval_every"] * 2, 1) == 0]
+    )
     head = "| ε | method | seeds | " + " | ".join(f"acc @ {c}" for c in show) + " |"
-    lines = ["#### Accuracy at checkpoints (mean ± std over seeds)", "", head,
-             "|---|---|---|" + "---|" * len(show)]
+    lines = ["#### Accuracy at checkpoints (mean ± std over seeds)", "", head, "|---|---|---|" + "---|" * len(show)]
     for k, v in an.items():
         if k.startswith("_"):
             continue
         cells = [fmt(tuple(v["acc_at"][c])) if c in v["acc_at"] else "–" for c in show]
         lines.append(f"| {v['epsilon']:g} | {v['method']} | {len(v['seeds'])} | " + " | ".join(cells) + " |")
-    lines += ["", "#### Speed-up, ε saved, oracle cosines", "",
-              "| ε | method | final acc | reached baseline final acc | step speed-up (seeds that reached) "
-              "| speed-up (mean curves) | ε saved (per seed) | ε saved (mean curve) | global cos noisy → denoised "
-              "| rmt-gated matrix-steps, gain > 0 (encoder only) | s/step |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "#### Speed-up, ε saved, oracle cosines",
+        "",
+        "| ε | method | final acc | reached baseline final acc | step speed-up (seeds that reached) "
+        "| speed-up (mean curves) | ε saved (per seed) | ε saved (mean curve) | global cos noisy → denoised "
+        "| rmt-gated matrix-steps, gain > 0 (encoder only) | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for k, v in an.items():
         if k.startswith("_"):
             continue
         g, ge = v["gated_gain"], v["encoder_gated_gain"]
-        gg = (f"{g['positive']}/{g['gated_layer_steps']} ({ge['positive']}/{ge['gated_layer_steps']})"
-              if "rmt" in v["method"] else "–")
+        gg = (
+            f"{g['positive']}/{g['gated_layer_steps']} ({ge['positive']}/{ge['gated_layer_steps']})"
+            if "rmt" in v["method"]
+            else "–"
+        )
         es = v["eps_saved_per_seed"]
         es_txt = fmt(tuple(v["eps_saved"]), 3, pct=True) if any(isinstance(x, float) for x in es) else "–"
         if any(isinstance(x, str) for x in es):
@@ -374,21 +429,38 @@ def replot(path: Path, out: Path) -> Path:
     ax = axes[-1]
     bc = result["analysis"]["_baseline_eps_curve"]
     es = [float(e) for e in bc]
-    ax.errorbar(es, [bc[e][0] for e in bc], yerr=[bc[e][1] for e in bc], marker="o", color=colors.get(BASELINE, "k"),
-                label="dp-lora (baseline) vs ε")
+    ax.errorbar(
+        es,
+        [bc[e][0] for e in bc],
+        yerr=[bc[e][1] for e in bc],
+        marker="o",
+        color=colors.get(BASELINE, "k"),
+        label="dp-lora (baseline) vs ε",
+    )
     for k, v in result["analysis"].items():
         if k.startswith("_") or v["method"] == BASELINE:
             continue
-        ax.errorbar([v["epsilon"]], [v["final_acc"][0]], yerr=[v["final_acc"][1]], marker="s", ls="",
-                    color=colors[v["method"]], label=f"{v['method']} ε={v['epsilon']:g}", alpha=0.8)
+        ax.errorbar(
+            [v["epsilon"]],
+            [v["final_acc"][0]],
+            yerr=[v["final_acc"][1]],
+            marker="s",
+            ls="",
+            color=colors[v["method"]],
+            label=f"{v['method']} ε={v['epsilon']:g}",
+            alpha=0.8,
+        )
     ax.set_xscale("log")
     ax.set_xlabel("ε (δ = 1e-5)")
     ax.set_ylabel(f"final test accuracy ({cfg['steps']} steps)")
     ax.set_title("ε at equal accuracy", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.suptitle(f"{result['data'].get('model')} / Rotten Tomatoes, {Trainable.parse(cfg['trainable']).label}, "
-                 f"top {cfg['top_layers']} layer(s), B = {cfg['batch_size']}, {cfg['steps']} steps", fontsize=10)
+    fig.suptitle(
+        f"{result['data'].get('model')} / Rotten Tomatoes, {Trainable.parse(cfg['trainable']).label}, "
+        f"top {cfg['top_layers']} layer(s), B = {cfg['batch_size']}, {cfg['steps']} steps",
+        fontsize=10,
+    )
     fig.tight_layout()
     png = out / "centralized.png"
     fig.savefig(png, dpi=110)

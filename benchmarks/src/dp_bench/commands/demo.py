@@ -170,12 +170,25 @@ def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: 
 
     eval_at = sorted({*range(cfg.eval_every, cfg.steps + 1, cfg.eval_every), cfg.steps, 0})
     r = run_dp(
-        top, task.train, task.test, input_names=task.input_names, post_hooks=[rec_noisy, *hooks, rec_out],
-        noise_multiplier=nm, batch_size=cfg.batch_size, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr,
-        max_grad_norm=cfg.max_grad_norm, physical_batch=cfg.physical_batch, eval_at=eval_at,
-        eval_batch=cfg.eval_batch, initial_accuracy=acc0, delta=cfg.delta, desc=f"{label:>12}",
+        top,
+        task.train,
+        task.test,
+        input_names=task.input_names,
+        post_hooks=[rec_noisy, *hooks, rec_out],
+        noise_multiplier=nm,
+        batch_size=cfg.batch_size,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        lr=cfg.lr,
+        max_grad_norm=cfg.max_grad_norm,
+        physical_batch=cfg.physical_batch,
+        eval_at=eval_at,
+        eval_batch=cfg.eval_batch,
+        initial_accuracy=acc0,
+        delta=cfg.delta,
+        desc=f"{label:>12}",
         on_step=snapshot_clean,
-    )  # fmt: skip
+    )
     names = [h if isinstance(h, str) else getattr(h, "name", type(h).__name__) for h in hooks]
     return {
         "label": label,
@@ -314,13 +327,22 @@ def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str)
 
     p = out / "demo_spectrum.png"
     plot_spectrum(
-        mats["clean"], mats["noisy"], mats["denoised"], sigma=sigma, path=p,
+        mats["clean"],
+        mats["noisy"],
+        mats["denoised"],
+        sigma=sigma,
+        path=p,
         title=f"{name}\nstep {step}, {'x'.join(map(str, mats['noisy'].shape))}, s = {sigma:.3g}",
-    )  # fmt: skip
-    paths.update(spectrum=str(p), spectrum_param=name, spectrum_step=str(step),
-                 spectrum_cos_gain="nan" if gain is None else f"{gain:.4f}")  # fmt: skip
-    torch.save({k: v.clone() for k, v in mats.items()} | {"sigma": sigma, "name": name, "step": step},
-               out / "demo_spectrum.pt")  # fmt: skip
+    )
+    paths.update(
+        spectrum=str(p),
+        spectrum_param=name,
+        spectrum_step=str(step),
+        spectrum_cos_gain="nan" if gain is None else f"{gain:.4f}",
+    )
+    torch.save(
+        {k: v.clone() for k, v in mats.items()} | {"sigma": sigma, "name": name, "step": step}, out / "demo_spectrum.pt"
+    )
     paths["spectrum_tensors"] = str(out / "demo_spectrum.pt")
     return paths
 
@@ -333,21 +355,31 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0, cpu0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()
-    task = frozen_text_task(cfg.model, cfg.max_length, cfg.lora_layers, seed=cfg.seed, tiny_train=cfg.tiny_train,
-                            tiny_test=cfg.tiny_test, eval_batch=cfg.eval_batch, use_disk=False)  # fmt: skip
+    task = frozen_text_task(
+        cfg.model,
+        cfg.max_length,
+        cfg.lora_layers,
+        seed=cfg.seed,
+        tiny_train=cfg.tiny_train,
+        tiny_test=cfg.tiny_test,
+        eval_batch=cfg.eval_batch,
+        use_disk=False,
+    )
     t_cache = time.perf_counter() - t0
     n_train, n_test = len(task.train), len(task.test)
     sample_rate = cfg.batch_size / n_train
-    nm = get_noise_multiplier(target_epsilon=cfg.epsilon, target_delta=cfg.delta, sample_rate=sample_rate,
-                              steps=cfg.steps, accountant="prv")  # fmt: skip
+    nm = get_noise_multiplier(
+        target_epsilon=cfg.epsilon, target_delta=cfg.delta, sample_rate=sample_rate, steps=cfg.steps, accountant="prv"
+    )
     info = task.info
     tqdm.write(
         f"{info['model']} on {info['dataset']}: train {n_train}, test {n_test}, LoRA r={cfg.rank} on top "
         f"{cfg.lora_layers} layer(s); cache {t_cache:.0f}s (split check {info['split_check']:.1e}); noise "
         f"multiplier {nm:.3f} for eps={cfg.epsilon} in {cfg.steps} steps of q={sample_rate:.4f}"
     )
-    probe = build_top(task, Trainable("lora", "qkvoid", cfg.rank, cfg.alpha), cfg.seed, pooling=cfg.pooling,
-                      reinit_head=False)  # fmt: skip
+    probe = build_top(
+        task, Trainable("lora", "qkvoid", cfg.rank, cfg.alpha), cfg.seed, pooling=cfg.pooling, reinit_head=False
+    )
     acc0 = evaluate(probe, task.test, task.input_names, cfg.eval_batch)["accuracy"]
     arms: dict[str, dict[str, Any]] = {}
     for hooks in ([], *cfg.denoised_arms()):
@@ -373,17 +405,25 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "split_check_max_abs": info["split_check"],
         "wall_seconds": wall,
         "cpu_seconds": time.process_time() - cpu0,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "loadavg_start": load0, "loadavg_end": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_start": load0,
+            "loadavg_end": os.getloadavg(),
+        },
         "versions": versions(),
         "summary": summaries,
         "plots": plots,
         "arms": {label: {k: v for k, v in a.items() if k != "recorded"} for label, a in arms.items()},
-    }  # fmt: skip
+    }
     (out / "demo.json").write_text(json.dumps(result, indent=1, default=float))
     pngs = ", ".join(v for k, v in plots.items() if k in ("accuracy", "spectrum"))
-    print(f"\nwall time {wall:.0f}s (CPU {result['cpu_seconds']:.0f}s, load average {load0[0]:.1f} at start); "
-          f"wrote {out / 'demo.json'} and {pngs}")  # fmt: skip
+    print(
+        f"\nwall time {wall:.0f}s (CPU {result['cpu_seconds']:.0f}s, load average {load0[0]:.1f} at start); "
+        f"wrote {out / 'demo.json'} and {pngs}"
+    )
     return result
 
 
@@ -391,8 +431,9 @@ def stored_notes(stored: dict[str, Any]) -> dict[str, str | None]:
     """The note of each arm of a stored demo.json; one written before arms had notes ran paper A's setting as
     ``"rmt"`` (docs/demo.md)."""
     legacy = all("note" not in a for a in stored["arms"].values())
-    return {label: LEGACY_NOTE if legacy and a["hooks"] == ["rmt"] else a.get("note")
-            for label, a in stored["arms"].items()}  # fmt: skip
+    return {
+        label: LEGACY_NOTE if legacy and a["hooks"] == ["rmt"] else a.get("note") for label, a in stored["arms"].items()
+    }
 
 
 def replot(cfg: Config) -> dict[str, Any]:
@@ -407,12 +448,20 @@ def replot(cfg: Config) -> dict[str, Any]:
         print(f"not in {source / 'demo.json'} (rerun to add them): {', '.join(missing)}")
     out = output_folder(cfg)
     c, info = stored["config"], stored["data"]
-    title = f"{info['model']} / {info['dataset'].split(' ')[0]}: eps={c['epsilon']}, B={c['batch_size']}, " \
-            f"{c['steps']} steps"  # fmt: skip
+    title = (
+        f"{info['model']} / {info['dataset'].split(' ')[0]}: eps={c['epsilon']}, B={c['batch_size']}, "
+        f"{c['steps']} steps"
+    )
     png = plot_accuracy(arms, notes, out, title)
     print(f"wrote {png}")
-    return {"source": str(source / "demo.json"), "out": str(out), "summary": stored["summary"], "notes": notes,
-            "missing": missing, "plots": {"accuracy": str(png)}}  # fmt: skip
+    return {
+        "source": str(source / "demo.json"),
+        "out": str(out),
+        "summary": stored["summary"],
+        "notes": notes,
+        "missing": missing,
+        "plots": {"accuracy": str(png)},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

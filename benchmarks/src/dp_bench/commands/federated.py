@@ -93,15 +93,17 @@ class Config:
     target_modules: str = opt("query,value", "LoRA target modules (of the layers above the frozen ones)")
     frozen_layers: int = opt(5, "bottom encoder layers frozen and computed once")
     pooling: str = opt("mean", "sentence representation", choices=("cls", "mean"))
-    head: str = opt("trainable", "classifier head: trainable, or fixed at its seeded initialization",
-                    choices=("trainable", "fixed"))  # fmt: skip
+    head: str = opt(
+        "trainable", "classifier head: trainable, or fixed at its seeded initialization", choices=("trainable", "fixed")
+    )
     seq_len: int = opt(48, "tokens per example")
     n_train: int = opt(0, "0 = the whole training split")
     n_test: int = opt(0, "0 = the whole test split")
     split_seed: int = opt(0, "seed of the test subsample and the validation split (the same for every seed)")
     val_size: int = opt(1000, "validation examples carved from the training split")
-    lr_grid: list[float] = opt([0.5, 1.0, 2.0, 4.0], "learning rates tried per method (one value: no tuning)",
-                               type=float)  # fmt: skip
+    lr_grid: list[float] = opt(
+        [0.5, 1.0, 2.0, 4.0], "learning rates tried per method (one value: no tuning)", type=float
+    )
     tune_seed: int = opt(100, "seed of the tuning runs (not an evaluation seed)")
     tune_epsilon: float = opt(1.0, "ε of the tuning runs")
     max_extensions: int = opt(3, "edge extensions of the lr grid (factor 2 each)")
@@ -155,8 +157,16 @@ def base_config(args: Config, seed: int, epsilon: float, method: str, lr: float,
     """The run's ``FederationConfig``: the grid's fields of the same name, the task, the method's scheme and lr."""
     algo, filt = METHODS[method]
     shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name in FEDERATION_FIELDS}
-    return FederationConfig(**shared, task=TASKS[args.model], task_options=task_options(args, eval_split), algo=algo,
-                            filter=filt, seed=seed, epsilon=epsilon, lr=lr)  # fmt: skip
+    return FederationConfig(
+        **shared,
+        task=TASKS[args.model],
+        task_options=task_options(args, eval_split),
+        algo=algo,
+        filter=filt,
+        seed=seed,
+        epsilon=epsilon,
+        lr=lr,
+    )
 
 
 def run_key(phase: str, method: str, epsilon: float, seed: int, lr: float) -> str:
@@ -175,21 +185,41 @@ def one_run(args: Config, task: Task, phase: str, method: str, epsilon: float, s
     out = res.to_json()
     share = {}
     if args.probe_examples:
-        share = {"init": probe_federation(cfg, task, None, args.probe_examples),
-                 "final": probe_federation(cfg, task, res.state, args.probe_examples)}  # fmt: skip
+        share = {
+            "init": probe_federation(cfg, task, None, args.probe_examples),
+            "final": probe_federation(cfg, task, res.state, args.probe_examples),
+        }
     return {
-        "phase": phase, "method": method, "algo": cfg.algo, "filter": cfg.filter, "epsilon": epsilon, "seed": seed,
-        "lr": lr, "eval_split": eval_split, "n_eval": len(task.test), "n_train": len(task.train),
-        "num_clients": cfg.num_clients, "partition": cfg.partition, "alpha": cfg.alpha, "fraction": cfg.fraction,
-        "rounds": cfg.rounds, "local_steps": cfg.local_steps, "accuracy": out["accuracy"],
+        "phase": phase,
+        "method": method,
+        "algo": cfg.algo,
+        "filter": cfg.filter,
+        "epsilon": epsilon,
+        "seed": seed,
+        "lr": lr,
+        "eval_split": eval_split,
+        "n_eval": len(task.test),
+        "n_train": len(task.train),
+        "num_clients": cfg.num_clients,
+        "partition": cfg.partition,
+        "alpha": cfg.alpha,
+        "fraction": cfg.fraction,
+        "rounds": cfg.rounds,
+        "local_steps": cfg.local_steps,
+        "accuracy": out["accuracy"],
         "eval_loss": [res.initial["loss"], *(r.loss for r in res.rounds)],
-        "train_loss": [r.train_loss for r in res.rounds], "max_epsilon": out["max_epsilon"],
+        "train_loss": [r.train_loss for r in res.rounds],
+        "max_epsilon": out["max_epsilon"],
         "client_epsilon": out["epsilon"],
         "noise_multipliers": {c: v["noise_multipliers"] for c, v in out["privacy"]["clients"].items()},
         "sample_rates": {c: v["sample_rates"] for c, v in out["privacy"]["clients"].items()},
-        "failed_rounds": out["failed_rounds"], "partition_summary": out["partition"], "wall_s": out["wall_s"],
-        "cpu_s": cpu_s, "epsilon_other": other_accountant(cfg, out["privacy"]["clients"]), "grad_share": share,
-    }  # fmt: skip
+        "failed_rounds": out["failed_rounds"],
+        "partition_summary": out["partition"],
+        "wall_s": out["wall_s"],
+        "cpu_s": cpu_s,
+        "epsilon_other": other_accountant(cfg, out["privacy"]["clients"]),
+        "grad_share": share,
+    }
 
 
 def other_accountant(cfg: FederationConfig, clients: dict[str, Any]) -> dict[str, Any]:
@@ -226,8 +256,13 @@ class Grid:
         self.result: dict[str, Any] = {"runs": [], "lr_choice": {}, **(old or {})}
         self.result.update(command=command_line("federated", argv), config=config)
         #: several workers may run the same --resume command at once (one per core): each run is claimed first
-        self.store = SharedResult(args.out, self.result, dumps={"indent": 1, "allow_nan": True}, wall=None,
-                                  run_id=lambda r: run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]))
+        self.store = SharedResult(
+            args.out,
+            self.result,
+            dumps={"indent": 1, "allow_nan": True},
+            wall=None,
+            run_id=lambda r: run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]),
+        )
         self.task: Task | None = None
         self.task_for: tuple[int, str] | None = None
 
@@ -239,8 +274,11 @@ class Grid:
             self.task = build_task(base_config(self.args, seed, self.args.tune_epsilon, m, 1.0, eval_split))
             self.task_for = (seed, eval_split)
             print(f"task for seed {seed} ({eval_split}) built in {time.perf_counter() - t0:.1f} s", flush=True)
-            self.result.setdefault("data", {})[eval_split] = {"train": len(self.task.train), "evaluated":
-                                                             len(self.task.test), "split_seed": self.args.split_seed}
+            self.result.setdefault("data", {})[eval_split] = {
+                "train": len(self.task.train),
+                "evaluated": len(self.task.test),
+                "split_seed": self.args.split_seed,
+            }
         assert self.task is not None
         return self.task
 
@@ -249,13 +287,17 @@ class Grid:
         key = run_key(phase, method, epsilon, seed, lr)
         if not self.store.claim(key):
             return
-        rec = one_run(self.args, self.task_of(seed, "val" if phase == "tune" else "test"), phase, method, epsilon,
-                      seed, lr)  # fmt: skip
+        rec = one_run(
+            self.args, self.task_of(seed, "val" if phase == "tune" else "test"), phase, method, epsilon, seed, lr
+        )
         self.result.update(versions=versions(), machine=machine())
         self.store.put(key, rec)
         acc = rec["accuracy"]
-        print(f"  {key:<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
-              f"{rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s ({rec['cpu_s']:.0f} s CPU)", flush=True)
+        print(
+            f"  {key:<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
+            f"{rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s ({rec['cpu_s']:.0f} s CPU)",
+            flush=True,
+        )
 
     def stored(self, keys: Sequence[str]) -> bool:
         """Whether every run of ``keys`` is stored (after merging what the other workers stored)."""
@@ -286,8 +328,14 @@ def tune(grid: Grid, method: str) -> None:
             time.sleep(POLL_SECONDS)  # another worker trains a run of this round: the choice needs them all
             for lr in todo:  # ... unless it died: then its claim is void and the run is trained here
                 grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
-        tried = {r["lr"]: report.metric(r, "last3") for r in grid.result["runs"] if r["phase"] == "tune"
-                 and r["method"] == method and r["epsilon"] == a.tune_epsilon and r["seed"] == a.tune_seed}  # fmt: skip
+        tried = {
+            r["lr"]: report.metric(r, "last3")
+            for r in grid.result["runs"]
+            if r["phase"] == "tune"
+            and r["method"] == method
+            and r["epsilon"] == a.tune_epsilon
+            and r["seed"] == a.tune_seed
+        }
         best, todo = lr_edge_step(tried, a.lr_grid, a.max_extensions)
     choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
     grid.save()
@@ -303,8 +351,11 @@ def borrow_lrs(grid: Grid) -> None:
     for m in grid.args.methods:
         grid.result["lr_choice"][m] = {**src["lr_choice"][m], "from": str(grid.args.lr_from)}
     have = {json.dumps(r, sort_keys=True) for r in grid.result["runs"]}
-    grid.result["runs"] += [r for r in src["runs"] if r.get("phase") == "tune" and r["method"] in grid.args.methods
-                            and json.dumps(r, sort_keys=True) not in have]  # fmt: skip
+    grid.result["runs"] += [
+        r
+        for r in src["runs"]
+        if r.get("phase") == "tune" and r["method"] in grid.args.methods and json.dumps(r, sort_keys=True) not in have
+    ]
     grid.result["lr_from_command"] = src.get("command")
     grid.save()
 

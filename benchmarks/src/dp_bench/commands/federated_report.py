@@ -37,8 +37,12 @@ COMPARISONS = {
 }
 #: comparison -> the paper's lower bound on it (accuracy fraction; 0: no number is claimed)
 TARGETS = {"la_minus_dp_lora": 0.10, "la_minus_ffa_lora": 0.03, "la_minus_rolora": 0.03, "filter_gain": 0.0}
-ROW_LABELS = {"la_minus_dp_lora": "− DP-LoRA", "la_minus_ffa_lora": "− FFA-LoRA", "la_minus_rolora": "− RoLoRA",
-              "filter_gain": "− LA-LoRA w/o filter\n(filter gain)"}
+ROW_LABELS = {
+    "la_minus_dp_lora": "− DP-LoRA",
+    "la_minus_ffa_lora": "− FFA-LoRA",
+    "la_minus_rolora": "− RoLoRA",
+    "filter_gain": "− LA-LoRA w/o filter\n(filter gain)",
+}
 #: the ε of the paper's claims
 CLAIM_EPSILON = 1.0
 #: claim -> (comparisons that must all lie in [bound, ∞), bound as an accuracy fraction)
@@ -83,35 +87,42 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
     runs = eval_runs(result)
     out: dict[str, Any] = {}
     for eps in sorted({float(r["epsilon"]) for r in runs}):
-        by = {m: {r["seed"]: r for r in runs if r["method"] == m and float(r["epsilon"]) == eps}
-              for m in dict.fromkeys(r["method"] for r in runs)}  # fmt: skip
+        by = {
+            m: {r["seed"]: r for r in runs if r["method"] == m and float(r["epsilon"]) == eps}
+            for m in dict.fromkeys(r["method"] for r in runs)
+        }
         methods = {}
         for m, seeds in by.items():
             if not seeds:
                 continue
             rs = list(seeds.values())
             methods[m] = {
-                "seeds": sorted(seeds), "lr": rs[0].get("lr", result["config"].get("lr")),
+                "seeds": sorted(seeds),
+                "lr": rs[0].get("lr", result["config"].get("lr")),
                 **{k: mean_std([metric(r, k) for r in rs]) for k in METRICS},
                 "max_epsilon": max(r["max_epsilon"] for r in rs),
-                "max_epsilon_other": max((r["epsilon_other"]["max_epsilon"] for r in rs if "epsilon_other" in r),
-                                         default=float("nan")),
+                "max_epsilon_other": max(
+                    (r["epsilon_other"]["max_epsilon"] for r in rs if "epsilon_other" in r), default=float("nan")
+                ),
                 "other_accountant": rs[0].get("epsilon_other", {}).get("accountant"),
                 "grad_share": {w: _share_means(rs, w, "per_example_share") for w in ("init", "final")},
                 "grad_share_clipped_sum": {w: _share_means(rs, w, "clipped_sum_share") for w in ("init", "final")},
-            }  # fmt: skip
+            }
         comparisons: dict[str, Any] = {}
         for key, (a, b) in COMPARISONS.items():
             if by.get(a) and by.get(b):
                 common = sorted(set(by[a]) & set(by[b]))
-                comparisons[key] = {"seeds": common, **{k: paired_ci([metric(by[a][s], k) - metric(by[b][s], k)
-                                                                      for s in common]) for k in METRICS}}  # fmt: skip
+                comparisons[key] = {
+                    "seeds": common,
+                    **{k: paired_ci([metric(by[a][s], k) - metric(by[b][s], k) for s in common]) for k in METRICS},
+                }
         block: dict[str, Any] = {"methods": methods, "comparisons": comparisons}
         if eps == CLAIM_EPSILON:
             block["verdicts"] = {
                 claim: {k: combine([verdict(comparisons[c][k], bound) for c in keys]) for k in METRICS}
-                for claim, (keys, bound) in CLAIMS.items() if all(c in comparisons for c in keys)
-            }  # fmt: skip
+                for claim, (keys, bound) in CLAIMS.items()
+                if all(c in comparisons for c in keys)
+            }
         out[f"{eps:g}"] = block
     for k in METRICS:
         holm_family([c[k] for block in out.values() for c in block["comparisons"].values()])
@@ -141,34 +152,53 @@ def tables(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = []
     if result.get("lr_choice"):
-        lines += [f"Learning rate per method: validation split, seed {cfg.get('tune_seed')}, ε = "
-                  f"{cfg.get('tune_epsilon')}, score = mean accuracy of the last 3 rounds", "",
-                  "| method | validation accuracy per lr tried | chosen lr |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            f"Learning rate per method: validation split, seed {cfg.get('tune_seed')}, ε = "
+            f"{cfg.get('tune_epsilon')}, score = mean accuracy of the last 3 rounds",
+            "",
+            "| method | validation accuracy per lr tried | chosen lr |",
+            "|---|---|---|",
+        ]
         for m, c in result["lr_choice"].items():
-            tried = ", ".join(f"{float(lr):g}: {v:.3f}" for lr, v in sorted(c["val_last3"].items(),
-                                                                          key=lambda kv: float(kv[0])))  # fmt: skip
+            tried = ", ".join(
+                f"{float(lr):g}: {v:.3f}" for lr, v in sorted(c["val_last3"].items(), key=lambda kv: float(kv[0]))
+            )
             lines.append(f"| {LABELS.get(m, m)} | {tried or 'fixed (no tuning)'} | {c['lr']:g} |")
         lines.append("")
     for eps, block in an.items():
-        lines += [f"ε = {eps} per client (mean ± sample s.d. over seeds; gradient share head / lora_A / lora_B in %, "
-                  "per-example, at initialization → after the last round)", "",
-                  "| method | lr | final accuracy | last-3-rounds accuracy | max ε (other accountant) | seeds | "
-                  "grad share init | grad share final |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"ε = {eps} per client (mean ± sample s.d. over seeds; gradient share head / lora_A / lora_B in %, "
+            "per-example, at initialization → after the last round)",
+            "",
+            "| method | lr | final accuracy | last-3-rounds accuracy | max ε (other accountant) | seeds | "
+            "grad share init | grad share final |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for m, s in block["methods"].items():
             fin, l3 = s["final"], s["last3"]
-            lines.append(f"| {LABELS.get(m, m)} | {s['lr']:g} | {fin[0]:.3f} ± {fin[1]:.3f} | {l3[0]:.3f} ± "
-                         f"{l3[1]:.3f} | {_eps(s)} | {s['seeds']} | {_share(s['grad_share']['init'])} | "
-                         f"{_share(s['grad_share']['final'])} |")  # fmt: skip
-        lines += ["", "| paired difference (points, 95 % t-interval) | final accuracy | Holm p | "
-                  "last-3-rounds accuracy | Holm p |", "|---|---|---|---|---|"]  # fmt: skip
+            lines.append(
+                f"| {LABELS.get(m, m)} | {s['lr']:g} | {fin[0]:.3f} ± {fin[1]:.3f} | {l3[0]:.3f} ± "
+                f"{l3[1]:.3f} | {_eps(s)} | {s['seeds']} | {_share(s['grad_share']['init'])} | "
+                f"{_share(s['grad_share']['final'])} |"
+            )
+        lines += [
+            "",
+            "| paired difference (points, 95 % t-interval) | final accuracy | Holm p | "
+            "last-3-rounds accuracy | Holm p |",
+            "|---|---|---|---|---|",
+        ]
         for key, c in block["comparisons"].items():
             a, b = COMPARISONS[key]
             fin, l3 = c["final"], c["last3"]
-            lines.append(f"| {LABELS[a]} − {LABELS[b]} (n={fin['n']}) | {_ci(fin)} | {fmt_p(fin)} | {_ci(l3)} | "
-                         f"{fmt_p(l3)} |")  # fmt: skip
+            lines.append(
+                f"| {LABELS[a]} − {LABELS[b]} (n={fin['n']}) | {_ci(fin)} | {fmt_p(fin)} | {_ci(l3)} | {fmt_p(l3)} |"
+            )
         if block.get("verdicts"):
-            lines += ["", "| claim (ε = 1) | verdict, final accuracy | verdict, last-3-rounds accuracy |",
-                      "|---|---|---|"]  # fmt: skip
+            lines += [
+                "",
+                "| claim (ε = 1) | verdict, final accuracy | verdict, last-3-rounds accuracy |",
+                "|---|---|---|",
+            ]
             lines += [f"| {claim} | {v['final']} | {v['last3']} |" for claim, v in block["verdicts"].items()]
         lines.append("")
     return "\n".join(lines)
@@ -192,8 +222,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for j, eps in enumerate(epsilons):
         ax = axes[0][j]
         for i, m in enumerate(an[eps]["methods"]):
-            a = np.asarray([r["accuracy"] for r in runs if r["method"] == m and f"{float(r['epsilon']):g}" == eps],
-                           dtype=float)  # fmt: skip
+            a = np.asarray(
+                [r["accuracy"] for r in runs if r["method"] == m and f"{float(r['epsilon']):g}" == eps], dtype=float
+            )
             mu = a.mean(0)
             sd = a.std(0, ddof=1) if len(a) > 1 else np.zeros_like(mu)
             x = np.arange(a.shape[1])
@@ -211,12 +242,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
             for off, name, mk in ((-0.12, "final", "o"), (0.12, "last3", "s")):
                 ci = c[name]
                 lo, hi = (ci["lo"], ci["hi"]) if math.isfinite(ci["lo"]) else (ci["mean"], ci["mean"])
-                ax.errorbar([100 * ci["mean"]], [k + off], xerr=[[100 * (ci["mean"] - lo)], [100 * (hi - ci["mean"])]],
-                            fmt=mk, color="C0" if name == "final" else "C1", capsize=4,
-                            label=("final accuracy" if name == "final" else "last-3-rounds mean") if k == 0 else None)
+                ax.errorbar(
+                    [100 * ci["mean"]],
+                    [k + off],
+                    xerr=[[100 * (ci["mean"] - lo)], [100 * (hi - ci["mean"])]],
+                    fmt=mk,
+                    color="C0" if name == "final" else "C1",
+                    capsize=4,
+                    label=("final accuracy" if name == "final" else "last-3-rounds mean") if k == 0 else None,
+                )
             if TARGETS[key]:
-                ax.vlines(100 * TARGETS[key], k - 0.35, k + 0.35, colors="C3", linestyles="--",
-                          label="paper's claim (lower bound)" if key == "la_minus_dp_lora" else None)  # fmt: skip
+                ax.vlines(
+                    100 * TARGETS[key],
+                    k - 0.35,
+                    k + 0.35,
+                    colors="C3",
+                    linestyles="--",
+                    label="paper's claim (lower bound)" if key == "la_minus_dp_lora" else None,
+                )
         ax.set_yticks(range(len(comps)), [ROW_LABELS[key] for key, _ in comps], fontsize=9)
         ax.set_ylim(-0.6, len(comps) - 0.4)
         ax.invert_yaxis()
@@ -226,12 +269,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.legend(fontsize=8, loc="best")
     head = "fixed head" if cfg.get("head") == "fixed" else "trainable head"
     clients = cfg.get("num_clients", cfg.get("clients"))  # "clients" in results written before the harness
-    fig.suptitle(f"{cfg['model']}: {clients} clients, {cfg['partition']}"
-                 f"{' α=' + format(cfg['alpha'], 'g') if cfg['partition'] == 'dirichlet' else ''}, fraction "
-                 f"{cfg.get('fraction', 1)}, {cfg['rounds']} rounds × {cfg['local_steps']} local steps, B = "
-                 f"{cfg['batch_size']}, {cfg['optimizer']}, C = {cfg['max_grad_norm']:g}\nLoRA r={cfg['rank']} on "
-                 f"{cfg.get('target_modules')} above {cfg['frozen_layers']} frozen layers, {head}; seeds "
-                 f"{sorted({r['seed'] for r in runs})} (bands: sample s.d.)", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"{cfg['model']}: {clients} clients, {cfg['partition']}"
+        f"{' α=' + format(cfg['alpha'], 'g') if cfg['partition'] == 'dirichlet' else ''}, fraction "
+        f"{cfg.get('fraction', 1)}, {cfg['rounds']} rounds × {cfg['local_steps']} local steps, B = "
+        f"{cfg['batch_size']}, {cfg['optimizer']}, C = {cfg['max_grad_norm']:g}\nLoRA r={cfg['rank']} on "
+        f"{cfg.get('target_modules')} above {cfg['frozen_layers']} frozen layers, {head}; seeds "
+        f"{sorted({r['seed'] for r in runs})} (bands: sample s.d.)",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -67,12 +67,14 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "rmt-js": ([("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], None),
     "ema": ([("ema", {"beta": 0.9})], 0.0),
     "ema+rmt": ([("ema", {"beta": 0.9}), ("rmt_paper", {"warn_after": 0})], 0.0),
-    "ema+rmt-js": ([("ema", {"beta": 0.9}),
-                   ("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], 0.0),
+    "ema+rmt-js": (
+        [("ema", {"beta": 0.9}), ("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})],
+        0.0,
+    ),
     "doppler": ([("doppler", {})], 0.0),
     "rmt+doppler": ([("rmt_paper", {"warn_after": 0}), ("doppler", {})], 0.0),
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
-}  # fmt: skip
+}
 REFERENCES = ("nonprivate", "clip-only")
 LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
 
@@ -93,14 +95,18 @@ class Config:
     tune_epsilon: float = opt(3.0, "ε of the learning-rate runs")
     lr_grid_sgd: list[float] = opt(LR_GRIDS["sgd"], "SGD learning rates tried", type=float)
     lr_grid_adamw: list[float] = opt(LR_GRIDS["adamw"], "AdamW learning rates tried", type=float)
-    lr_grid_nonprivate: list[float] = opt([0.05, 0.1, 0.2, 0.5], "SGD learning rates of the unclipped reference",
-                                          type=float)  # fmt: skip
+    lr_grid_nonprivate: list[float] = opt(
+        [0.05, 0.1, 0.2, 0.5], "SGD learning rates of the unclipped reference", type=float
+    )
     momentum: float = opt(0.9, "SGD momentum (methods holding their own momentum use 0)")
     max_grad_norm: float = opt(1.0, "clipping bound C")
     grad_sample_mode: str = opt("ghost", "per-example clipping implementation", choices=("ghost", "hooks"))
-    physical_batch: int = opt(0, "physical batch size (0 = the whole logical batch); with --model minilm every "
-                                 "Poisson batch is sorted by length first and each physical batch computed without "
-                                 "its all-padding columns (the same clipped sum up to rounding, fewer tokens)")
+    physical_batch: int = opt(
+        0,
+        "physical batch size (0 = the whole logical batch); with --model minilm every "
+        "Poisson batch is sorted by length first and each physical batch computed without "
+        "its all-padding columns (the same clipped sum up to rounding, fewer tokens)",
+    )
     checkpoints: int = opt(20, "evaluations along the run")
     target_epsilon: float = opt(3.0, "the baseline's final accuracy at this ε is the target of the ε metric")
     val_size: int = opt(5000, "validation examples carved from the training split")
@@ -174,8 +180,9 @@ def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, see
 def calibrate(eps: float, q: float, steps: int, delta: float = 1e-5) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
-                                      accountant="prv"))  # fmt: skip
+    return float(
+        get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps, accountant="prv")
+    )
 
 
 def rdp_epsilon(nm: float, q: float, steps: int, delta: float = 1e-5) -> float:
@@ -229,8 +236,17 @@ class ReleasedOracle:
                 self.per_matrix.append((step, i, self._cos(r_i, c_i), float(r_i.norm() / c_i.norm().clamp_min(1e-300))))
 
 
-def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimizer: str, batch: int, eps: float,
-            lr: float, seed: int, steps: int) -> dict[str, Any]:  # fmt: skip
+def one_run(
+    cfg: Config,
+    task: ImageTask | FrozenTextTask,
+    method: str,
+    optimizer: str,
+    batch: int,
+    eps: float,
+    lr: float,
+    seed: int,
+    steps: int,
+) -> dict[str, Any]:
     """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates)."""
     n = len(task.train)
     q = batch / n
@@ -256,29 +272,68 @@ def one_run(cfg: Config, task: ImageTask | FrozenTextTask, method: str, optimize
     eval_batch = cfg.physical_batch if sort else 2000
     t0 = time.perf_counter()
     r = run_dp(
-        model, task.train, task.test, input_names=task.input_names, post_hooks=hooks, noise_multiplier=nm,
+        model,
+        task.train,
+        task.test,
+        input_names=task.input_names,
+        post_hooks=hooks,
+        noise_multiplier=nm,
         batch_size=batch,
-        steps=steps, seed=seed, lr=lr, optimizer=optimizer, momentum=cfg.momentum if momentum is None else momentum,
-        max_grad_norm=clip, physical_batch=cfg.physical_batch or batch, eval_at=eval_at, eval_batch=eval_batch,
-        oracle=False, per_param=False,
+        steps=steps,
+        seed=seed,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=cfg.momentum if momentum is None else momentum,
+        max_grad_norm=clip,
+        physical_batch=cfg.physical_batch or batch,
+        eval_at=eval_at,
+        eval_batch=eval_batch,
+        oracle=False,
+        per_param=False,
         sort_by=lengths(task.train) if sort else None,
-        grad_sample_mode=mode, allow_non_private=nm == 0.0, desc=f"{method} {optimizer} B{batch}",
-        on_step=oracle if nm > 0 else None, eval_sets={"val": task.val}, gradient=gradient,
-    )  # fmt: skip
+        grad_sample_mode=mode,
+        allow_non_private=nm == 0.0,
+        desc=f"{method} {optimizer} B{batch}",
+        on_step=oracle if nm > 0 else None,
+        eval_sets={"val": task.val},
+        gradient=gradient,
+    )
     gated = [e.get("gated") for e in r["per_step"] if "gated" in e]
     return {
-        "method": method, "optimizer": optimizer, "batch": batch, "target_epsilon": eps, "lr": lr, "seed": seed,
-        "steps": steps, "noise_multiplier": nm, "sample_rate": q, "epsilon_prv": float(r["epsilon"]) if nm else None,
-        "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None, "test": r["curve"], "val": r["curves"]["val"],
-        "final_test": r["curve"][-1][1], "final_val": r["curves"]["val"][-1][1], "cos": oracle.cos,
-        "norm_ratio": oracle.norm_ratio, "per_matrix": oracle.per_matrix,
-        "gated_per_step": sum(gated) / len(gated) if gated else None, "train_seconds": r["train_seconds"],
+        "method": method,
+        "optimizer": optimizer,
+        "batch": batch,
+        "target_epsilon": eps,
+        "lr": lr,
+        "seed": seed,
+        "steps": steps,
+        "noise_multiplier": nm,
+        "sample_rate": q,
+        "epsilon_prv": float(r["epsilon"]) if nm else None,
+        "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None,
+        "test": r["curve"],
+        "val": r["curves"]["val"],
+        "final_test": r["curve"][-1][1],
+        "final_val": r["curves"]["val"][-1][1],
+        "cos": oracle.cos,
+        "norm_ratio": oracle.norm_ratio,
+        "per_matrix": oracle.per_matrix,
+        "gated_per_step": sum(gated) / len(gated) if gated else None,
+        "train_seconds": r["train_seconds"],
         "wall_seconds": time.perf_counter() - t0,
-    }  # fmt: skip
+    }
 
 
-def tune_round(result: dict[str, Any], cfg: Config, method: str, optimizer: str, batch: int, eps: float,
-               seed: int, max_extensions: int = 3) -> list[float]:  # fmt: skip
+def tune_round(
+    result: dict[str, Any],
+    cfg: Config,
+    method: str,
+    optimizer: str,
+    batch: int,
+    eps: float,
+    seed: int,
+    max_extensions: int = 3,
+) -> list[float]:
     """The learning rates of a cell's open tuning round that are not stored yet; ``[]`` once the choice is final.
 
     A pure function of the stored runs, so every worker sees the same rounds: first ``--lr-grid``; once all of it
@@ -286,7 +341,7 @@ def tune_round(result: dict[str, Any], cfg: Config, method: str, optimizer: str,
     and, when it lies at an end of what was tried, the next value outward (a factor 2; at most
     ``max_extensions`` times) is the next round (:func:`dp_bench.lr_rule.lr_edge_step`)."""
     prefix = f"tune|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
-    tried = {float(k[len(prefix):]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
+    tried = {float(k[len(prefix) :]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
     base = list(cfg.lr_grid(optimizer, method))
     missing = [lr for lr in base if lr not in tried]
     if missing:
@@ -296,8 +351,12 @@ def tune_round(result: dict[str, Any], cfg: Config, method: str, optimizer: str,
     return [lr for lr in nxt if lr not in tried]
 
 
-def next_run(result: dict[str, Any], cfg: Config, plan: Sequence[tuple[str, str, str, int, float, int]],
-             claim: Callable[[str], bool]) -> tuple[tuple[Any, ...] | None, bool, int]:  # fmt: skip
+def next_run(
+    result: dict[str, Any],
+    cfg: Config,
+    plan: Sequence[tuple[str, str, str, int, float, int]],
+    claim: Callable[[str], bool],
+) -> tuple[tuple[Any, ...] | None, bool, int]:
     """``(run, waiting, done)``: the first run of ``plan`` (in its order) that ``claim`` grants —
     ``(key, phase, method, optimizer, batch, eps, seed, lr)`` or None —, whether some run is not stored yet but
     cannot be claimed now (another worker trains it, or its cell's learning rate is not chosen yet), and how many
@@ -335,7 +394,9 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
     task = fashion_mnist_task(cfg.val_size)
     x, y = task.train.tensors
     out: dict[str, Any] = {
-        "command": "dp-bench grid --measure-speed", "threads": torch.get_num_threads(), "cases": {},
+        "command": "dp-bench grid --measure-speed",
+        "threads": torch.get_num_threads(),
+        "cases": {},
     }
     for model_name in ("mlp", "cnn"):
         for batch in cfg.batches:
@@ -344,10 +405,15 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
                 model = build(model_name, 0)
                 data = torch.utils.data.TensorDataset(x[: batch * 4], y[: batch * 4])
                 res = PrivacyEngine(accountant="prv").make_private(
-                    module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                    data_loader=torch.utils.data.DataLoader(data, batch_size=batch), noise_multiplier=1.0,
-                    max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode, post_hooks=[],
-                )  # fmt: skip
+                    module=model,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+                    noise_multiplier=1.0,
+                    max_grad_norm=1.0,
+                    poisson_sampling=False,
+                    grad_sample_mode=mode,
+                    post_hooks=[],
+                )
                 m, dp_opt, dl = res[0], res[1], res[-1]
                 crit = res[2] if len(res) == 4 else nn.CrossEntropyLoss()
                 ts = []
@@ -369,14 +435,15 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
 def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
     """(phase, method, optimizer, B, ε, seed): the learning-rate runs first, then seed-major evaluation runs."""
     methods = [*cfg.methods, *(REFERENCES if cfg.references else ())]
-    tune = [("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers
-            for m in methods]  # fmt: skip
+    tune = [
+        ("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers for m in methods
+    ]
     evals = []
     for seed in cfg.seeds:
         for b in cfg.batches:
             for o in cfg.optimizers:
                 for m in methods:
-                    for eps in ([math.inf] if m in REFERENCES else cfg.epsilons):
+                    for eps in [math.inf] if m in REFERENCES else cfg.epsilons:
                         evals.append(("eval", m, o, b, eps, seed))
     return tune + evals
 
@@ -407,16 +474,26 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     path = cfg.out / f"{cfg.name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
     if cfg.resume and result.get("config") and not resumable(result["config"], as_json(cfg)):
-        raise SystemExit(f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
-                         "grow, nothing stored may be dropped); use another --name")
+        raise SystemExit(
+            f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
+            "grow, nothing stored may be dropped); use another --name"
+        )
     if not cfg.resume and path.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
         path.replace(path.with_name(path.name + ".old"))
     task = load_task(cfg)
     n = len(task.train)
     result.setdefault("commands", [result["command"]] if "command" in result else [])
     result["commands"].append(command_line("grid", argv))  # every invocation that built this JSON, in order
-    result.update({"command": command_line("grid", argv), "config": as_json(cfg), "data": task.info,
-                   "versions": versions(), "machine": machine(), "accountant": "prv (rdp beside it)"})  # fmt: skip
+    result.update(
+        {
+            "command": command_line("grid", argv),
+            "config": as_json(cfg),
+            "data": task.info,
+            "versions": versions(),
+            "machine": machine(),
+            "accountant": "prv (rdp beside it)",
+        }
+    )
     store = SharedResult(path, result)
     t_start = time.perf_counter()
     plan = planned(cfg)

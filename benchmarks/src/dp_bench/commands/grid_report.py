@@ -41,8 +41,15 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
     for (o, b, e, m), seeds in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] != BASELINE)):
         base = by.get((o, b, e, BASELINE), {})
         finals = [r["final_test"] for r in seeds.values()]
-        entry: dict[str, Any] = {"optimizer": o, "batch": b, "epsilon": e, "method": m, "seeds": sorted(seeds),
-                                 "final_test": mean_std(finals), "lr": next(iter(seeds.values()))["lr"]}  # fmt: skip
+        entry: dict[str, Any] = {
+            "optimizer": o,
+            "batch": b,
+            "epsilon": e,
+            "method": m,
+            "seeds": sorted(seeds),
+            "final_test": mean_std(finals),
+            "lr": next(iter(seeds.values()))["lr"],
+        }
         if m != BASELINE and base:
             common = sorted(set(seeds) & set(base))
             entry["diff_vs_none"] = paired_ci([seeds[s]["final_test"] - base[s]["final_test"] for s in common])
@@ -58,14 +65,20 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             diffs = [a - c for a, c in zip(steps, base_steps, strict=True)]
             fewer = [(c - a) / c for a, c in zip(steps, base_steps, strict=True)]  # paper A's unit, per seed
             entry["steps_to_baseline"] = {
-                "mean": float(np.mean(steps)), "never_reached": never, "baseline_mean": float(np.mean(base_steps)),
-                "budget": seeds[common[0]]["steps"], "diff_vs_none": paired_ci(diffs),
+                "mean": float(np.mean(steps)),
+                "never_reached": never,
+                "baseline_mean": float(np.mean(base_steps)),
+                "budget": seeds[common[0]]["steps"],
+                "diff_vs_none": paired_ci(diffs),
                 "fewer_steps_fraction": paired_ci(fewer),
             }
         cos = [np.mean([c[1] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
         cos_ema = [np.mean([c[2] for c in r["cos"][len(r["cos"]) // 2 :]]) for r in seeds.values() if r.get("cos")]
-        ratio = [np.mean([c[1] for c in r["norm_ratio"][len(r["norm_ratio"]) // 2 :]]) for r in seeds.values()
-                 if r.get("norm_ratio")]  # fmt: skip
+        ratio = [
+            np.mean([c[1] for c in r["norm_ratio"][len(r["norm_ratio"]) // 2 :]])
+            for r in seeds.values()
+            if r.get("norm_ratio")
+        ]
         if ratio:
             entry["norm_ratio_released_clean_2nd_half"] = mean_std(ratio)
         if cos:
@@ -92,10 +105,12 @@ def families(an: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     cells = an["cells"].items()
     return {
         "accuracy_vs_none": {k: c["diff_vs_none"] for k, c in cells if "diff_vs_none" in c},
-        "fewer_steps": {k: c["steps_to_baseline"]["fewer_steps_fraction"] for k, c in cells
-                        if "steps_to_baseline" in c},  # fmt: skip
-        "epsilon_saved": {k: v["epsilon_saved"] for k, v in an["epsilon_to_target"].items()
-                          if k.split("|")[-1] != BASELINE},  # fmt: skip
+        "fewer_steps": {
+            k: c["steps_to_baseline"]["fewer_steps_fraction"] for k, c in cells if "steps_to_baseline" in c
+        },
+        "epsilon_saved": {
+            k: v["epsilon_saved"] for k, v in an["epsilon_to_target"].items() if k.split("|")[-1] != BASELINE
+        },
         "vs_best_peer": {k: v["diff"] for k, v in an["vs_best_peer"].items()},
     }
 
@@ -108,8 +123,12 @@ def pooled_holm(paths: Sequence[str | Path], family: str = "accuracy_vs_none") -
         fam = families(analyze(json.loads(Path(path).read_text())))[family]
         rows += [(Path(path).stem, key, ci) for key, ci in fam.items()]
     pooled = holm([ci["p"] for _, _, ci in rows])
-    lines = [f"{family}: {sum(math.isfinite(p) for p in pooled)} comparisons pooled over {len(paths)} grids", "",
-             "| grid | cell | difference [95 % CI] | p | Holm p, grid | Holm p, pooled |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{family}: {sum(math.isfinite(p) for p in pooled)} comparisons pooled over {len(paths)} grids",
+        "",
+        "| grid | cell | difference [95 % CI] | p | Holm p, grid | Holm p, pooled |",
+        "|---|---|---|---|---|---|",
+    ]
     for (grid, key, ci), adj in sorted(zip(rows, pooled, strict=True), key=lambda r: r[0][2]["p"]):
         lines.append(f"| {grid} | {key} | {_fmt_ci(ci)} | {fmt_p(ci, 'p')} | {fmt_p(ci)} | {fmt_p({'p': adj}, 'p')} |")
     return "\n".join(lines) + "\n"
@@ -133,14 +152,15 @@ def _vs_best_peer(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]
     return out
 
 
-def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]], cfg: dict[str, Any]
-                   ) -> dict[str, Any]:  # fmt: skip
+def _eps_to_target(
+    by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]], cfg: dict[str, Any]
+) -> dict[str, Any]:
     """ε each method needs (per seed, log-ε interpolation of its final accuracy over the ε grid) to reach the
     baseline's mean final accuracy at the target ε; ε saved = the baseline's ε − the method's (paired)."""
     out: dict[str, Any] = {}
     eps_grid = sorted(cfg["epsilons"])
     target_eps = cfg["target_epsilon"]
-    for (o, b, e, m) in list(by):
+    for o, b, e, m in list(by):
         if e != target_eps:
             continue
         base = by.get((o, b, target_eps, BASELINE), {})
@@ -149,8 +169,11 @@ def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any
         target = float(np.mean([r["final_test"] for r in base.values()]))
 
         def needed(method: str, seed: int, o: str = o, b: int = b, target: float = target) -> float | None:
-            pts = [(eg, by[(o, b, eg, method)][seed]["final_test"]) for eg in eps_grid
-                   if seed in by.get((o, b, eg, method), {})]  # fmt: skip
+            pts = [
+                (eg, by[(o, b, eg, method)][seed]["final_test"])
+                for eg in eps_grid
+                if seed in by.get((o, b, eg, method), {})
+            ]
             value, _ = eps_at_accuracy(pts, target)
             return value
 
@@ -158,8 +181,12 @@ def _eps_to_target(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any
         mine = [needed(m, s) for s in seeds]
         theirs = [needed(BASELINE, s) for s in seeds]
         saved = [t - x for x, t in zip(mine, theirs, strict=True) if x is not None and t is not None]
-        out[f"{o}|B{b}|{m}"] = {"target_accuracy": target, "epsilon_needed": mine, "epsilon_saved": paired_ci(saved),
-                                "out_of_range": sum(x is None for x in mine)}  # fmt: skip
+        out[f"{o}|B{b}|{m}"] = {
+            "target_accuracy": target,
+            "epsilon_needed": mine,
+            "epsilon_saved": paired_ci(saved),
+            "out_of_range": sum(x is None for x in mine),
+        }
     return out
 
 
@@ -175,10 +202,12 @@ def tables(result: dict[str, Any]) -> str:
     """Markdown tables; every paired interval has its Holm-adjusted p-value within its family (:func:`families`)
     beside it. Verdicts stay CI-based."""
     an = result.get("analysis") or analyze(result)
-    lines = ["| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | Holm p | steps "
-             "to none's final acc (never) | fewer steps than none, % [95 % CI] | Holm p | cos(released, clean) 2nd "
-             "half | ‖released‖/‖clean‖ | gated/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| opt | B | ε | method | lr | final test acc (mean ± s.d.) | − none, points [95 % CI] | Holm p | steps "
+        "to none's final acc (never) | fewer steps than none, % [95 % CI] | Holm p | cos(released, clean) 2nd "
+        "half | ‖released‖/‖clean‖ | gated/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in an["cells"].values():
         fin = c["final_test"]
         st = c.get("steps_to_baseline")
@@ -204,12 +233,17 @@ def tables(result: dict[str, Any]) -> str:
     for k, v in an["epsilon_to_target"].items():
         o, b, m = k.split("|")
         need = ", ".join("–" if x is None else f"{x:.2f}" for x in v["epsilon_needed"])
-        lines.append(f"| {o} | {b[1:]} | {m} | {100 * v['target_accuracy']:.2f} | {need} | "
-                     f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} | {fmt_p(v['epsilon_saved'])} |")  # fmt: skip
+        lines.append(
+            f"| {o} | {b[1:]} | {m} | {100 * v['target_accuracy']:.2f} | {need} | "
+            f"{_fmt_ci(v['epsilon_saved'], scale=1.0)} | {fmt_p(v['epsilon_saved'])} |"
+        )
     peer = an.get("vs_best_peer") or {}
     if peer:
-        lines += ["", "| opt | B | ε | spectral method | best non-spectral peer | − peer, points [95 % CI] | Holm p |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "| opt | B | ε | spectral method | best non-spectral peer | − peer, points [95 % CI] | Holm p |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for k, v in peer.items():
             o, b, e, m = k.split("|")
             lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} | {fmt_p(v['diff'])} |")
@@ -235,8 +269,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for j, (o, b) in enumerate(combos):
         ax = axes[0][j]
         for m in methods:
-            rs = [r for r in evals if (r["optimizer"], r["batch"], r["method"]) == (o, b, m)
-                  and r["target_epsilon"] in (cfg["target_epsilon"], None, math.inf)]  # fmt: skip
+            rs = [
+                r
+                for r in evals
+                if (r["optimizer"], r["batch"], r["method"]) == (o, b, m)
+                and r["target_epsilon"] in (cfg["target_epsilon"], None, math.inf)
+            ]
             if not rs:
                 continue
             xs = [s for s, _ in rs[0]["test"]]
@@ -271,8 +309,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bed = f"Rotten Tomatoes, MiniLM {cfg.get('trainable')}" if minilm else "Fashion-MNIST, " + cfg["model"]
     budget = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg['epochs']:g} epochs"
     sep = ",\n" if len(combos) == 1 else ", "  # one panel: two title lines, so the title fits the figure
-    fig.suptitle(f"{bed}, {budget}, C = {cfg['max_grad_norm']}{sep}"
-                 f"seeds {cfg['seeds']} (bands: sample s.d.)", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"{bed}, {budget}, C = {cfg['max_grad_norm']}{sep}seeds {cfg['seeds']} (bands: sample s.d.)", fontsize=10
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

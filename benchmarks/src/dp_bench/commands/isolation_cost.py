@@ -49,9 +49,14 @@ def measure(case: str, steps: int, reps: int, batch: int = 32, seq: int = 64) ->
     data = torch.utils.data.TensorDataset(torch.randint(0, 30522, (n, seq)), torch.randint(0, 2, (n,)))
     opt = torch.optim.SGD(params, lr=1e-3)
     gsm, dp_opt, dl = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=opt, data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, post_hooks=[],
-    )  # fmt: skip
+        module=model,
+        optimizer=opt,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        post_hooks=[],
+    )
     step_s = []
     for i, (x, y) in enumerate(dl):
         t0 = time.perf_counter()
@@ -91,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "cases": {case: measure(case, cfg.steps, cfg.reps, cfg.batch, cfg.seq) for case in cfg.cases.split(",")},
     }
     for case, r in res["cases"].items():
-        print(f"{case}: {r['trainable_params']:,} trainable, copy {r['copy_s_median'] * 1e3:.2f} ms, "
-              f"DP step {r['step_s_median']:.2f} s -> {100 * r['copy_over_step']:.3f} % of a step")  # fmt: skip
+        print(
+            f"{case}: {r['trainable_params']:,} trainable, copy {r['copy_s_median'] * 1e3:.2f} ms, "
+            f"DP step {r['step_s_median']:.2f} s -> {100 * r['copy_over_step']:.3f} % of a step"
+        )
     cfg.out.write_text(json.dumps(res, indent=2))
     return res

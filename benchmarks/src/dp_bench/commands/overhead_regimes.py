@@ -113,8 +113,9 @@ def spiked_matrix(m: int, n: int, k: int, s: float, seed: int, device: torch.dev
     return g.to(device)
 
 
-def run_synthetic(shapes: Sequence[tuple[int, int]], spikes: Sequence[int], reps: int, device: torch.device,
-                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def run_synthetic(
+    shapes: Sequence[tuple[int, int]], spikes: Sequence[int], reps: int, device: torch.device, seed: int = 0
+) -> dict[str, Any]:
     """Per shape: time of one ``rmt_denoise`` call, gate shut vs open with k spikes (ABBA), and the ratios."""
     s = 0.01
     out: dict[str, Any] = {}
@@ -145,9 +146,12 @@ def run_synthetic(shapes: Sequence[tuple[int, int]], spikes: Sequence[int], reps
             "cholesky_screen_over_krylov_shut": statistics.median(times["shut_cholesky_screen"]) / med_shut,
         }
         row = out[f"{m}x{n}"]
-        print(f"[synthetic {m}x{n}] shut {med_shut * 1e3:.1f} ms (Cholesky screen "
-              f"{statistics.median(times['shut_cholesky_screen']) * 1e3:.1f} ms); open/shut "
-              + ", ".join(f"{k} {v:.2f}" for k, v in row["open_over_shut"].items()), flush=True)  # fmt: skip
+        print(
+            f"[synthetic {m}x{n}] shut {med_shut * 1e3:.1f} ms (Cholesky screen "
+            f"{statistics.median(times['shut_cholesky_screen']) * 1e3:.1f} ms); open/shut "
+            + ", ".join(f"{k} {v:.2f}" for k, v in row["open_over_shut"].items()),
+            flush=True,
+        )
     return out
 
 
@@ -175,9 +179,15 @@ def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.devic
             return 1.0  # a pass-through: rmt after it still sees isotropic noise
 
     engine = PrivacyEngine(accountant="rdp")
-    gsm, dp_opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0,
-                                          max_grad_norm=1.0, poisson_sampling=False,
-                                          post_hooks=[_Capture(), switch])  # fmt: skip
+    gsm, dp_opt, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=dl,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        post_hooks=[_Capture(), switch],
+    )
     batches = [(x.to(device), y.to(device)) for x, y in dl]
     crit = nn.MSELoss()
 
@@ -212,16 +222,23 @@ def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.devic
                 gates[name].append(switch.gated[-1])
     med_shut = statistics.median(times["shut"])
     res = {
-        "dim": dim, "batch": batch, "seq": seq, "clean_top_singular_value": clean_top,
-        "noise_multiplier_open": nm_open, "noise_multiplier_shut": nm_shut,
+        "dim": dim,
+        "batch": batch,
+        "seq": seq,
+        "clean_top_singular_value": clean_top,
+        "noise_multiplier_open": nm_open,
+        "noise_multiplier_shut": nm_shut,
         "step_s": {name: spread(ts) for name, ts in times.items()},
         "gated_per_step": {name: statistics.mean(v) if v else 0.0 for name, v in gates.items()},
         "worst_open_over_median_shut": max(times["open"]) / med_shut,
         "median_open_over_median_shut": statistics.median(times["open"]) / med_shut,
         "shut_over_off": med_shut / statistics.median(times["off"]),
         "denoiser_s": spread(switch.seconds),
-    }  # fmt: skip
-    print(f"[big {dim}x{dim}] step shut {med_shut:.2f} s, open worst {max(times['open']):.2f} s "
-          f"({res['worst_open_over_median_shut']:.2f}x), off {statistics.median(times['off']):.2f} s, gated "
-          f"{res['gated_per_step']}", flush=True)  # fmt: skip
+    }
+    print(
+        f"[big {dim}x{dim}] step shut {med_shut:.2f} s, open worst {max(times['open']):.2f} s "
+        f"({res['worst_open_over_median_shut']:.2f}x), off {statistics.median(times['off']):.2f} s, gated "
+        f"{res['gated_per_step']}",
+        flush=True,
+    )
     return res

@@ -51,8 +51,10 @@ class Config:
     model: str = opt("minilm", "minilm or tiny", choices=("minilm", "tiny"))
     max_length: int = opt(48, "tokens per example")
     top_layers: int = opt(1, "trained top encoder layers (the rest is cached)")
-    trainables: list[str] = opt(["lora:qv:8", "lora:qkvoid:16", "lora:qkvoid:64", "full"],
-                                "'lora:<targets>:<rank>' (targets from q,k,v,o,i,d) or 'full'")
+    trainables: list[str] = opt(
+        ["lora:qv:8", "lora:qkvoid:16", "lora:qkvoid:64", "full"],
+        "'lora:<targets>:<rank>' (targets from q,k,v,o,i,d) or 'full'",
+    )
     batches: list[int] = opt([64, 256, 1024, 2048], "logical batch sizes of the sweep")
     traj_batch: int = opt(256, "batch size of the trajectory")
     traj_steps: int = opt(30, "steps of the trajectory")
@@ -108,8 +110,9 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    task = frozen_text_task(args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train,
-                            tiny_test=args.tiny_test)  # fmt: skip
+    task = frozen_text_task(
+        args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
+    )
     result: dict[str, Any] = {
         "command": command_line("regime-map", argv),
         "config": as_json(args),
@@ -124,19 +127,39 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["trainables"] = {k: v for k, v in old["trainables"].items() if k not in args.trainables}
         oc = old["config"]
         for v in result["trainables"].values():
-            v.setdefault("run_config", {"command": old["command"], "traj_steps": oc["traj_steps"],
-                                        "traj_batch": oc["traj_batch"], "sweep_steps": oc["sweep_steps"],
-                                        "batches": oc["batches"], "seed": oc["seed"]})
+            v.setdefault(
+                "run_config",
+                {
+                    "command": old["command"],
+                    "traj_steps": oc["traj_steps"],
+                    "traj_batch": oc["traj_batch"],
+                    "sweep_steps": oc["sweep_steps"],
+                    "batches": oc["batches"],
+                    "seed": oc["seed"],
+                },
+            )
         result["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
     for spec in args.trainables:
         tr = Trainable.parse(spec)
         lr = args.lr_full if tr.kind == "full" else args.lr
         top = build_top(task, tr, args.seed)
         mats = matrix_names(top)
-        traj = run_dp(top, task.train, task.test, input_names=task.input_names, post_hooks=RMT,
-                      noise_multiplier=args.noise_multiplier, batch_size=args.traj_batch, steps=args.traj_steps,
-                      seed=args.seed, lr=lr, max_grad_norm=args.max_grad_norm, physical_batch=args.physical_batch,
-                      eval_at=[0, args.traj_steps], desc=f"{tr.label} trajectory")
+        traj = run_dp(
+            top,
+            task.train,
+            task.test,
+            input_names=task.input_names,
+            post_hooks=RMT,
+            noise_multiplier=args.noise_multiplier,
+            batch_size=args.traj_batch,
+            steps=args.traj_steps,
+            seed=args.seed,
+            lr=lr,
+            max_grad_norm=args.max_grad_norm,
+            physical_batch=args.physical_batch,
+            eval_at=[0, args.traj_steps],
+            desc=f"{tr.label} trajectory",
+        )
         warm_state = {k: v.detach().clone() for k, v in top.state_dict().items()}
         sweep: dict[str, dict[str, Any]] = {}
         for phase in ("init", "warm"):
@@ -145,25 +168,53 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
                 cell_top = build_top(task, tr, args.seed)
                 if phase == "warm":
                     cell_top.load_state_dict(warm_state)
-                r = run_dp(cell_top, task.train, task.test, input_names=task.input_names, post_hooks=RMT,
-                           noise_multiplier=args.noise_multiplier, batch_size=b, steps=args.sweep_steps,
-                           seed=args.seed + 1000 + b, lr=0.0, max_grad_norm=args.max_grad_norm,
-                           physical_batch=min(b, args.physical_batch), desc=f"{tr.label} {phase} B={b}")
-                sweep[phase][str(b)] = {"per_step": r["per_step"], "summary": cell_summary(r["per_step"], mats),
-                                        "seconds": r["train_seconds"]}
+                r = run_dp(
+                    cell_top,
+                    task.train,
+                    task.test,
+                    input_names=task.input_names,
+                    post_hooks=RMT,
+                    noise_multiplier=args.noise_multiplier,
+                    batch_size=b,
+                    steps=args.sweep_steps,
+                    seed=args.seed + 1000 + b,
+                    lr=0.0,
+                    max_grad_norm=args.max_grad_norm,
+                    physical_batch=min(b, args.physical_batch),
+                    desc=f"{tr.label} {phase} B={b}",
+                )
+                sweep[phase][str(b)] = {
+                    "per_step": r["per_step"],
+                    "summary": cell_summary(r["per_step"], mats),
+                    "seconds": r["train_seconds"],
+                }
                 s = sweep[phase][str(b)]["summary"]
-                print(f"{tr.label:<22} {phase:<5} B={b:<5} gated {s['encoder_gated']}/{s['encoder_matrices']} enc "
-                      f"({s['gated']}/{s['matrices']} all)  cos {s['global']['cos_noisy']:.3f} -> "
-                      f"{s['global']['cos_denoised']:.3f}  gain>0 {s['gated_gain']['positive']}/"
-                      f"{s['gated_gain']['gated_layer_steps']}", flush=True)
+                print(
+                    f"{tr.label:<22} {phase:<5} B={b:<5} gated {s['encoder_gated']}/{s['encoder_matrices']} enc "
+                    f"({s['gated']}/{s['matrices']} all)  cos {s['global']['cos_noisy']:.3f} -> "
+                    f"{s['global']['cos_denoised']:.3f}  gain>0 {s['gated_gain']['positive']}/"
+                    f"{s['gated_gain']['gated_layer_steps']}",
+                    flush=True,
+                )
         result["trainables"][spec] = {
             "label": tr.label,
             "lr": lr,
-            "run_config": {"command": result["command"], "traj_steps": args.traj_steps, "traj_batch": args.traj_batch,
-                           "sweep_steps": args.sweep_steps, "batches": args.batches, "seed": args.seed},
+            "run_config": {
+                "command": result["command"],
+                "traj_steps": args.traj_steps,
+                "traj_batch": args.traj_batch,
+                "sweep_steps": args.sweep_steps,
+                "batches": args.batches,
+                "seed": args.seed,
+            },
             "matrix_names": mats,
-            "trajectory": {"per_step": traj["per_step"], "curve": traj["curve"], "epsilon": traj["epsilon"],
-                           "summary": cell_summary(traj["per_step"], mats), "seconds": traj["train_seconds"]},
+            "trajectory": {
+                "per_step": traj["per_step"],
+                "curve": traj["curve"],
+                "epsilon": traj["epsilon"],
+                "summary": cell_summary(traj["per_step"], mats),
+                "seconds": traj["train_seconds"],
+            },
             "sweep": sweep,
         }
         args.out.mkdir(parents=True, exist_ok=True)
@@ -211,9 +262,11 @@ def table(result: dict[str, Any]) -> str:
 
 
 def trajectory_table(result: dict[str, Any]) -> str:
-    lines = ["| trainable | steps | acc start → end | encoder gated (first half / second half) "
-             "| global cos noisy → denoised (2nd half) | gated gain > 0 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| trainable | steps | acc start → end | encoder gated (first half / second half) "
+        "| global cos noisy → denoised (2nd half) | gated gain > 0 |",
+        "|---|---|---|---|---|---|",
+    ]
     for _spec, t in result["trainables"].items():
         ps = t["trajectory"]["per_step"]
         h = len(ps) // 2
@@ -289,9 +342,11 @@ def replot(path: Path, out: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=6)
     axes[1, 1].legend(fontsize=6)
-    fig.suptitle(f"RMT regime map: {result['data'].get('model')} / top {cfg['top_layers']} layer(s), "
-                 f"nm = {cfg['noise_multiplier']}, C = {cfg['max_grad_norm']}, max_length {cfg['max_length']}",
-                 fontsize=10)
+    fig.suptitle(
+        f"RMT regime map: {result['data'].get('model')} / top {cfg['top_layers']} layer(s), "
+        f"nm = {cfg['noise_multiplier']}, C = {cfg['max_grad_norm']}, max_length {cfg['max_length']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     png = out / "regime_map.png"
     fig.savefig(png, dpi=110)

@@ -21,8 +21,18 @@ __all__ = ["FASHION_MNIST_APT", "FASHION_MNIST_CLASSES", "load_fashion_mnist", "
 
 FASHION_MNIST_APT = "apt-get install dataset-fashion-mnist"
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                         "Ankle boot")  # fmt: skip
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),

@@ -84,9 +84,7 @@ def dedupe(texts: Sequence[str], labels: Sequence[int]) -> np.ndarray:
     return np.asarray(sorted(keep), dtype=np.int64)
 
 
-def stratified_split(
-    labels: Sequence[int], test_size: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(labels: Sequence[int], test_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded stratified split: (train indices, test indices), both sorted.
 
     Every class c with n_c rows puts ``round(test_size * n_c)`` of them in the test part, chosen by one
@@ -133,9 +131,7 @@ def _split_to_dict(
     parts["test"] = test_idx
     return datasets.DatasetDict(
         {
-            name: datasets.Dataset.from_dict(
-                {k: [v[i] for i in idx] for k, v in columns.items()}, features=features
-            )
+            name: datasets.Dataset.from_dict({k: [v[i] for i in idx] for k, v in columns.items()}, features=features)
             for name, idx in parts.items()
         }
     )
@@ -290,9 +286,7 @@ def load_bbc_news(
     if dedupe_texts:
         keep = dedupe(cols["text"], cols["label"])
         cols = {k: [v[i] for i in keep] for k, v in cols.items()}
-    features = datasets.Features(
-        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=topics)}
-    )
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=topics)})
     return _split_to_dict(cols, features, test_size, validation_size, seed)
 
 

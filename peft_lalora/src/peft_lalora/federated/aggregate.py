@@ -253,7 +253,8 @@ def fedavg(
         usable = [  # a meta / sparse / non-finite update must not become the reference
             s
             for s in states
-            if isinstance(s, Mapping) and all(isinstance(v, torch.Tensor) for v in s.values())
+            if isinstance(s, Mapping)
+            and all(isinstance(v, torch.Tensor) for v in s.values())
             and validate_update(s, s, 1.0) is None
         ]
         sigs = [_signature(s) for s in usable]

@@ -64,9 +64,7 @@ def _san(hosts: Sequence[str]) -> list[object]:
     return names
 
 
-def generate_tls(
-    directory: str | Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, valid_days: int = 30
-) -> TLSConfig:
+def generate_tls(directory: str | Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, valid_days: int = 30) -> TLSConfig:
     """Create a CA and a server certificate for ``hosts`` (IPs and DNS names, all as SANs) in
     ``directory``; return their paths. Keys are ECDSA P-384; the server key is written with mode 0600."""
     from cryptography import x509
@@ -93,9 +91,15 @@ def generate_tls(
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -115,9 +119,7 @@ def generate_tls(
         .add_extension(x509.SubjectAlternativeName(_san(hosts)), critical=False)  # type: ignore[arg-type]
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA384())
     )
 

@@ -95,33 +95,52 @@ class FederationConfig:
     num_labels: int = _opt(0, "number of classes (0 = from the data)")
     task_options: str = _opt("", 'JSON options for a task factory (e.g. {"frozen_layers": 5})')
     # -- federation
-    algo: str = _opt("la-lora", "LoRA scheme: " + ", ".join(f"{k} (alternation={v})" for k, v in ALGORITHMS.items()),
-                     choices=tuple(ALGORITHMS))  # fmt: skip
+    algo: str = _opt(
+        "la-lora",
+        "LoRA scheme: " + ", ".join(f"{k} (alternation={v})" for k, v in ALGORITHMS.items()),
+        choices=tuple(ALGORITHMS),
+    )
     filter: str = _opt("none", "post-noise low-pass filter", choices=tuple(FILTERS))
     first_factor: str = _opt("B", "factor trained first: B (paper) or A (reference code)", choices=("B", "A"))
     num_clients: int = _opt(8, "number of clients (partitions)")
     partition: str = _opt("dirichlet", "client split", choices=PARTITIONS)
     alpha: float = _opt(0.1, "Dirichlet label-skew concentration (partition=dirichlet)")
     min_partition_size: int = _opt(4, "Dirichlet: minimum examples per client")
-    partition_sizes: str = _opt("", "the operator's plan: examples per partition, comma-separated (the Flower server "
-                                "uses it and never reads data; empty: computed from the shared source)")  # fmt: skip
-    partition_nodes: str = _opt("", "the operator's plan: SuperNode ids in partition order, comma-separated (empty: "
-                                "the i-th smallest connected node id trains partition i)")  # fmt: skip
+    partition_sizes: str = _opt(
+        "",
+        "the operator's plan: examples per partition, comma-separated (the Flower server "
+        "uses it and never reads data; empty: computed from the shared source)",
+    )
+    partition_nodes: str = _opt(
+        "",
+        "the operator's plan: SuperNode ids in partition order, comma-separated (empty: "
+        "the i-th smallest connected node id trains partition i)",
+    )
     rounds: int = _opt(3, "federated rounds")
     local_steps: int = _opt(5, "DP-SGD steps per client and round")
     fraction: float = _opt(1.0, "fraction of clients sampled per round")
     min_clients: int = _opt(1, "fewest valid updates a round aggregates")
     server_lr: float = _opt(1.0, "server learning rate (1 = plain FedAvg)")
     weighted: bool = _opt(True, "weight FedAvg by the examples the server assigned (else uniform)")
-    max_update_norm: float = _opt(0.0, "server-side bound on ||client state - global state|| (0 = the derived bound "
-                                  "of an honest client, see auto_update_norm)")  # fmt: skip
-    auto_update_norm: bool = _opt(True, "with max_update_norm=0, bound updates by the longest one an honest client "
-                                  "of this run can send (lr, local_steps, optimizer; docs/federated.md); "
-                                  "--no-auto-update-norm: no bound at all (NOT robust, warns)")  # fmt: skip
-    update_norm_policy: str = _opt("clip", "clip or reject updates longer than max_update_norm",
-                                   choices=("clip", "reject"))  # fmt: skip
-    aggregation: str = _opt("mean", "mean (weighted FedAvg) or trimmed_mean (Flower's coordinate-wise, unweighted)",
-                            choices=("mean", "trimmed_mean"))  # fmt: skip
+    max_update_norm: float = _opt(
+        0.0,
+        "server-side bound on ||client state - global state|| (0 = the derived bound "
+        "of an honest client, see auto_update_norm)",
+    )
+    auto_update_norm: bool = _opt(
+        True,
+        "with max_update_norm=0, bound updates by the longest one an honest client "
+        "of this run can send (lr, local_steps, optimizer; docs/federated.md); "
+        "--no-auto-update-norm: no bound at all (NOT robust, warns)",
+    )
+    update_norm_policy: str = _opt(
+        "clip", "clip or reject updates longer than max_update_norm", choices=("clip", "reject")
+    )
+    aggregation: str = _opt(
+        "mean",
+        "mean (weighted FedAvg) or trimmed_mean (Flower's coordinate-wise, unweighted)",
+        choices=("mean", "trimmed_mean"),
+    )
     trim_fraction: float = _opt(0.1, "trimmed_mean: share of clients cut at each end per coordinate")
     # -- client
     batch_size: int = _opt(16, "expected Poisson batch size")
@@ -188,8 +207,9 @@ class FederationConfig:
 
             problem = trim_problem(self.trim_fraction, clients_per_round(self))
             if problem is not None:
-                raise ValueError(f"{clients_per_round(self)} of num_clients={self.num_clients} are sampled per round: "
-                                 f"{problem}")  # fmt: skip
+                raise ValueError(
+                    f"{clients_per_round(self)} of num_clients={self.num_clients} are sampled per round: {problem}"
+                )
         self.task_option_dict()  # valid JSON object
         self.planned_sizes()  # valid plan
         self.planned_nodes()
@@ -231,8 +251,22 @@ class FederationConfig:
 
     def task_key(self) -> dict[str, Any]:
         """The fields that define the task's data and base model (what :func:`build_task` reads)."""
-        keys = ("task", "model", "data", "test_data", "test_fraction", "text_column", "label_column",
-                "group_column", "n_train", "n_test", "seq_len", "num_labels", "task_options", "seed")  # fmt: skip
+        keys = (
+            "task",
+            "model",
+            "data",
+            "test_data",
+            "test_fraction",
+            "text_column",
+            "label_column",
+            "group_column",
+            "n_train",
+            "n_test",
+            "seq_len",
+            "num_labels",
+            "task_options",
+            "seed",
+        )
         return {k: getattr(self, k) for k in keys}
 
     @classmethod

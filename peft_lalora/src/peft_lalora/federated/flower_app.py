@@ -341,8 +341,11 @@ def _server_main(grid: Grid, context: Context) -> None:
     strategy = LALoraStrategy(server, node_of)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        m = server.initial if server_round == 0 else {"accuracy": server.rounds[-1].accuracy,
-                                                      "loss": server.rounds[-1].loss}  # fmt: skip
+        m = (
+            server.initial
+            if server_round == 0
+            else {"accuracy": server.rounds[-1].accuracy, "loss": server.rounds[-1].loss}
+        )
         return MetricRecord({"accuracy": m["accuracy"], "loss": m["loss"]})
 
     strategy.start(

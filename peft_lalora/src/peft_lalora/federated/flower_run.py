@@ -54,8 +54,16 @@ def run_flower(
     return out
 
 
-def _run(cfg: FederationConfig, wd: Path, *, threads: int, timeout: float, insecure: bool, tls: TLSConfig | None,
-         save_adapter: str | Path | None) -> dict[str, Any]:  # fmt: skip
+def _run(
+    cfg: FederationConfig,
+    wd: Path,
+    *,
+    threads: int,
+    timeout: float,
+    insecure: bool,
+    tls: TLSConfig | None,
+    save_adapter: str | Path | None,
+) -> dict[str, Any]:
     import torch
 
     from .app_config import write_flower_app
@@ -67,8 +75,12 @@ def _run(cfg: FederationConfig, wd: Path, *, threads: int, timeout: float, insec
     task = build_task(cfg)
     cfg, partition = planned_config(cfg, task)
     result_path, state_path = (wd / "result.json").resolve(), (wd / "global_state.pt").resolve()
-    run_config = {**cfg.to_dict(), RESULT_PATH_KEY: str(result_path), STATE_PATH_KEY: str(state_path),
-                  THREADS_KEY: int(threads)}  # fmt: skip
+    run_config = {
+        **cfg.to_dict(),
+        RESULT_PATH_KEY: str(result_path),
+        STATE_PATH_KEY: str(state_path),
+        THREADS_KEY: int(threads),
+    }
     app_dir = write_flower_app(wd / "app", run_config)
     fed = LocalFederation(
         cfg.num_clients,

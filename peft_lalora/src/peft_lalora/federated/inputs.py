@@ -111,11 +111,15 @@ def _header_index(p: Path, header: list[str], role: str, col: str) -> int:
 def _check_csv_row(p: Path, line: int, record: int, row: list[str], header: list[str], where: dict) -> None:
     if len(row) < len(header):
         missing = ", ".join(repr(c) for c in header[len(row) :])
-        raise InputError(f"{p}:{line}: record {record} has {len(row)} of the header's {len(header)} fields: "
-                         f"no cell for column(s) {missing}")  # fmt: skip
+        raise InputError(
+            f"{p}:{line}: record {record} has {len(row)} of the header's {len(header)} fields: "
+            f"no cell for column(s) {missing}"
+        )
     if len(row) > len(header):
-        raise InputError(f"{p}:{line}: record {record} has {len(row)} fields, the header {len(header)}: field "
-                         f"{len(header) + 1} is past the last column {header[-1]!r} (unquoted delimiter?)")  # fmt: skip
+        raise InputError(
+            f"{p}:{line}: record {record} has {len(row)} fields, the header {len(header)}: field "
+            f"{len(header) + 1} is past the last column {header[-1]!r} (unquoted delimiter?)"
+        )
     for role, i in where.items():
         if role != "group" and not row[i].strip():
             raise InputError(f"{p}:{line}: record {record}: empty {role} cell, column {header[i]!r}")
@@ -163,8 +167,9 @@ def _check_json_record(p: Path, line: int, record: int, raw: str, columns: Mappi
     try:
         rec = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise InputError(f"{at}: invalid JSON ({err.msg} at character {err.colno}); expected one JSON object "
-                         "per line") from None  # fmt: skip
+        raise InputError(
+            f"{at}: invalid JSON ({err.msg} at character {err.colno}); expected one JSON object per line"
+        ) from None
     if not isinstance(rec, dict):
         raise InputError(f"{at}: a JSON {type(rec).__name__}, expected an object with the columns {dict(columns)}")
     for role, col in columns.items():
@@ -187,8 +192,9 @@ def _label_kind(at: str, label: Any, col: str) -> str:
         return "a string"
     if isinstance(label, int) and not isinstance(label, bool):
         return "an integer"
-    raise InputError(f"{at}: label {label!r} in column {col!r} is a {type(label).__name__}; labels must be integers "
-                     "or strings")  # fmt: skip
+    raise InputError(
+        f"{at}: label {label!r} in column {col!r} is a {type(label).__name__}; labels must be integers or strings"
+    )
 
 
 def check_loaded(ds: Any, where: str, columns: Mapping[str, str]) -> None:
@@ -198,11 +204,15 @@ def check_loaded(ds: Any, where: str, columns: Mapping[str, str]) -> None:
         col = columns[role]
         for i, v in enumerate(ds[col], 1):
             if v is None or (isinstance(v, str) and not v.strip()):
-                raise InputError(f"{where}: record {i}: empty or missing {role} cell, column {col!r} (pandas also "
-                                 "reads NA, N/A, null and nan cells as missing)")  # fmt: skip
+                raise InputError(
+                    f"{where}: record {i}: empty or missing {role} cell, column {col!r} (pandas also "
+                    "reads NA, N/A, null and nan cells as missing)"
+                )
     dtype = str(getattr(ds.features[columns["label"]], "dtype", ""))
     if dtype.startswith("float"):
         values = ds[columns["label"]]
         i = next((n for n, v in enumerate(values, 1) if not float(v).is_integer()), 1)
-        raise InputError(f"{where}: record {i}: label {values[i - 1]!r}, column {columns['label']!r} holds floats; "
-                         "labels must be integers or strings (write 1, not 1.0)")  # fmt: skip
+        raise InputError(
+            f"{where}: record {i}: label {values[i - 1]!r}, column {columns['label']!r} holds floats; "
+            "labels must be integers or strings (write 1, not 1.0)"
+        )

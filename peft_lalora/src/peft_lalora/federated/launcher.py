@@ -188,9 +188,12 @@ class LocalFederation:
             security = ["--insecure"]
         else:
             security = [
-                "--ssl-ca-certfile", str(self.tls.ca_cert),
-                "--ssl-certfile", str(self.tls.server_cert),
-                "--ssl-keyfile", str(self.tls.server_key),
+                "--ssl-ca-certfile",
+                str(self.tls.ca_cert),
+                "--ssl-certfile",
+                str(self.tls.server_cert),
+                "--ssl-keyfile",
+                str(self.tls.server_key),
                 "--enable-supernode-auth",
             ]
         return [
@@ -215,8 +218,10 @@ class LocalFederation:
             if private_key is None:
                 raise ValueError("a secure federation needs the SuperNode's private key")
             security = [
-                "--root-certificates", str(self.tls.ca_cert),
-                "--auth-supernode-private-key", str(private_key),
+                "--root-certificates",
+                str(self.tls.ca_cert),
+                "--auth-supernode-private-key",
+                str(private_key),
             ]
         return [
             "flower-supernode",

@@ -164,8 +164,14 @@ class PrivacyLedger:
         """Make ``client`` appear in reports (with ε = 0) before it is ever sampled."""
         self._clients.setdefault(client, ClientPrivacy(client))
 
-    def record(self, client: Any, history: Iterable[Sequence[float]], *, participated: bool = True,
-               max_steps: int | None = None) -> float:  # fmt: skip
+    def record(
+        self,
+        client: Any,
+        history: Iterable[Sequence[float]],
+        *,
+        participated: bool = True,
+        max_steps: int | None = None,
+    ) -> float:
         """Take ``client``'s cumulative accountant history as it reports it now; return its ε.
 
         A report that extends the recorded history replaces it. Any other report is added to it (never

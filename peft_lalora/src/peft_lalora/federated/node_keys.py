@@ -40,7 +40,6 @@ def generate_node_keys(directory: str | Path, name: str) -> NodeKeys:
         ),
     )
     keys.public_key.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-        + b"\n"
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
     )
     return keys

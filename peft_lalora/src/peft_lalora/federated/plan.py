@@ -77,8 +77,11 @@ def check_local_size(cfg: FederationConfig, partition_id: int, n: int) -> None:
         )
 
 
-def partition_summary(cfg: FederationConfig, plan: FederationPlan, partition: Partition | None = None,
-                      ) -> dict[str, Any]:  # fmt: skip
+def partition_summary(
+    cfg: FederationConfig,
+    plan: FederationPlan,
+    partition: Partition | None = None,
+) -> dict[str, Any]:
     """What a result says about the split: scheme and planned sizes; label counts, classes and groups only
     with ``cfg.publish_label_counts`` (and a partition the operator computed)."""
     out: dict[str, Any] = {"scheme": cfg.partition, "num_clients": cfg.num_clients, "sizes": list(plan.sizes)}

@@ -176,8 +176,15 @@ class FederationServer:
         return cls.from_plan(cfg, task, plan, partition=partition, evaluate_held_out=True), task, partition
 
     @classmethod
-    def from_plan(cls, cfg: FederationConfig, task: Any, plan: FederationPlan, *, partition: Any = None,
-                  evaluate_held_out: bool = False) -> FederationServer:  # fmt: skip
+    def from_plan(
+        cls,
+        cfg: FederationConfig,
+        task: Any,
+        plan: FederationPlan,
+        *,
+        partition: Any = None,
+        evaluate_held_out: bool = False,
+    ) -> FederationServer:
         """A server from the operator's ``plan`` and ``task``'s model — it never reads ``task.train``. It
         evaluates on ``task.test`` when that is the operator's own data; a test split carved from the clients'
         source (``task.test_from_train``) only with ``evaluate_held_out`` (the in-process runner, which holds
@@ -199,8 +206,15 @@ class FederationServer:
             evaluator, initial = None, adapter_state(trainable_parameters(make_peft_model(cfg, task)))
             evaluation = "none: no evaluation data of the operator's own (test_data); accuracy is not measured"
         summary = partition_summary(cfg, plan, partition)
-        return cls(cfg, initial, list(plan.sizes), privacy, evaluator=evaluator, partition_summary=summary,
-                   evaluation=evaluation)  # fmt: skip
+        return cls(
+            cfg,
+            initial,
+            list(plan.sizes),
+            privacy,
+            evaluator=evaluator,
+            partition_summary=summary,
+            evaluation=evaluation,
+        )
 
     def _evaluate(self) -> dict[str, float]:
         if self.evaluator is None:
@@ -234,8 +248,14 @@ class FederationServer:
             return f"accountant report refused: {err}"
         return None
 
-    def receive(self, client: int, *, state: Mapping[str, torch.Tensor], history: Sequence[Sequence[float]],
-                loss: float | None = None) -> None:  # fmt: skip
+    def receive(
+        self,
+        client: int,
+        *,
+        state: Mapping[str, torch.Tensor],
+        history: Sequence[Sequence[float]],
+        loss: float | None = None,
+    ) -> None:
         """A client's update; its accountant history goes to the ledger first (spent even if rejected later).
         A history out of bounds rejects the whole reply; ``loss`` is kept only with ``release_nonprivate_stats``."""
         rnd = self._current(client)

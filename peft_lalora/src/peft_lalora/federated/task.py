@@ -154,8 +154,10 @@ def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None, where: str
         index = {name: i for i, name in enumerate(names)}
         unknown = sorted(set(ds["label"]) - set(index))
         if unknown:
-            raise InputError(f"{where}: labels {unknown[:5]} in column {cfg.label_column!r} do not occur in the "
-                             f"training data's labels {names}")
+            raise InputError(
+                f"{where}: labels {unknown[:5]} in column {cfg.label_column!r} do not occur in the "
+                f"training data's labels {names}"
+            )
         features = ds.features.copy()
         features["label"] = datasets.ClassLabel(names=names)
         return ds.map(lambda b: {"label": [index[x] for x in b["label"]]}, batched=True, features=features), names

@@ -44,8 +44,9 @@ def _norm(state: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(math.fsum(float(v.detach().double().square().sum()) for v in state.values()))
 
 
-def honest_update_norm(cfg: Any, global_state: Mapping[str, torch.Tensor], num_examples: int,
-                       noise_multiplier: float, sample_rate: float) -> float:  # fmt: skip
+def honest_update_norm(
+    cfg: Any, global_state: Mapping[str, torch.Tensor], num_examples: int, noise_multiplier: float, sample_rate: float
+) -> float:
     """The largest ``‖state − global_state‖₂`` an honest client of ``cfg`` (a ``FederationConfig``) with
     ``num_examples`` examples and (σ, q) sends after one round (see the module docstring)."""
     from .aggregate import factor_of
@@ -77,8 +78,9 @@ def honest_update_norm(cfg: Any, global_state: Mapping[str, torch.Tensor], num_e
     return bound + 4 * k * eps * (theta0 + bound)
 
 
-def server_update_bound(cfg: Any, global_state: Mapping[str, torch.Tensor], sizes: Sequence[int],
-                        privacy: Mapping[int, tuple[float, float]]) -> float | None:  # fmt: skip
+def server_update_bound(
+    cfg: Any, global_state: Mapping[str, torch.Tensor], sizes: Sequence[int], privacy: Mapping[int, tuple[float, float]]
+) -> float | None:
     """The bound the server applies: ``cfg.max_update_norm`` when set (> 0); else, with ``auto_update_norm``,
     the largest :func:`honest_update_norm` over the partitions; else ``None`` (no bound)."""
     if cfg.max_update_norm > 0:

@@ -56,8 +56,11 @@ class DiskGradient:
         loss at ``x_t``."""
         params = self._params()
         here = [p.detach().clone() for p in params]
-        same_step = self._at is not None and len(self._at) == len(params) and all(
-            torch.equal(x, at) for x, at in zip(here, self._at, strict=True))  # fmt: skip
+        same_step = (
+            self._at is not None
+            and len(self._at) == len(params)
+            and all(torch.equal(x, at) for x, at in zip(here, self._at, strict=True))
+        )
         if not same_step:  # the optimizer moved the parameters: a new logical step, d_t = x_t − x_{t−1}
             self._prev, self._at = self._at, here
         # else another physical batch of the same logical step (BatchMemoryManager): the same x_t and d_t
