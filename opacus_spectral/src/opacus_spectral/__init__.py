@@ -17,6 +17,7 @@ from .hookspecs import hookimpl
 from .installation import PostHookHandle, install_post_hooks
 from .losses import causal_lm_loss
 from .lowpass import LowPassDenoiser
+from .noise_multiplier import noise_multiplier_for
 from .noise_source import ReproducibleNoiseWarning
 from .observer import observer
 from .pipeline import (
@@ -67,6 +68,7 @@ __all__ = [
     "hookimpl",
     "install_post_hooks",
     "load_errors",
+    "noise_multiplier_for",
     "noise_std",
     "observer",
     "reload_registry",

@@ -1,0 +1,50 @@
+"""The noise multiplier for a privacy budget: the one calibration every caller uses.
+
+``noise_multiplier_for(target_epsilon=..., target_delta=..., sample_rate=..., steps=...)`` is the smallest
+noise multiplier σ whose ``steps`` Poisson-sampled steps of rate q spend at most (ε, δ) under ``accountant``
+(Opacus' ``get_noise_multiplier``, which searches σ by bisection to within ``epsilon_tolerance``). DPTrainer,
+the federated client and the harness call it; ``PrivacyEngine.make_private_with_epsilon`` reaches the same
+Opacus function.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["noise_multiplier_for"]
+
+
+def noise_multiplier_for(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "prv",
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """σ such that ``steps`` steps at sample rate q give ε ≤ ``target_epsilon`` at δ = ``target_delta``.
+
+    Raises:
+        ValueError: ε not a positive finite number, δ outside (0, 1), q outside (0, 1] or steps < 1.
+    """
+    from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415 - heavy import
+
+    if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon!r}")
+    if not 0 < target_delta < 1:
+        raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    return float(
+        get_noise_multiplier(
+            target_epsilon=float(target_epsilon),
+            target_delta=float(target_delta),
+            sample_rate=float(sample_rate),
+            steps=int(steps),
+            accountant=accountant,
+            epsilon_tolerance=epsilon_tolerance,
+        )
+    )
