@@ -398,11 +398,28 @@ def test_names_without_module_are_stable_under_toggling():
 
 
 def test_disabled_hooks_in_eval_mode_behave_like_opacus():
-    engine, gsm, dp_opt, dl, model = _private_mlp([])
-    gsm.eval()
-    gsm.disable_hooks()
-    x, y = next(iter(dl))
-    nn.functional.mse_loss(gsm(x), y).backward()  # no error: hooks are off, as in vanilla Opacus
+    # the alternation-safe hooks hand a disabled, eval-mode module to upstream's code path: a plain backward,
+    # no per-sample state, exactly the gradients vanilla Opacus' GradSampleModule leaves
+    grads = []
+    for engine_cls in (opacus.PrivacyEngine, PrivacyEngine):
+        model = mlp(hidden=32, d_out=4)
+        gsm, dp_opt, dl = engine_cls(accountant="rdp").make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(64, 16, d_out=4),
+            noise_multiplier=NM,
+            max_grad_norm=C,
+        )
+        gsm.eval()
+        gsm.disable_hooks()
+        x, y = next(iter(loader(64, 16, d_out=4)))
+        nn.functional.mse_loss(gsm(x), y).backward()
+        assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    plain = mlp(hidden=32, d_out=4)
+    nn.functional.mse_loss(plain(x), y).backward()
+    for ours, vanilla, reference in zip(grads[1], grads[0], plain.parameters(), strict=True):
+        assert torch.equal(ours, vanilla) and torch.allclose(ours, reference.grad)
 
 
 def test_checkpoint_keeps_stateful_denoiser_state(tmp_path):

@@ -89,14 +89,74 @@ def test_phase_at_pure_function() -> None:
 def test_start_round_semantics() -> None:
     model = build("bert", alternation="round")
     ctrl = AlternationController(model, _adamw(model))
-    ctrl.start_round()  # first call starts round 0, not 1
-    assert (ctrl.round, ctrl.phase) == (0, "B")
+    ctrl.start_round()  # first call starts server round 1 = schedule round 0
+    assert (ctrl.server_round, ctrl.round, ctrl.phase) == (1, 0, "B")
     ctrl.start_round()
-    assert (ctrl.round, ctrl.phase) == (1, "A")
-    ctrl.start_round(round_index=6)  # federated clients rebuilt per round pass the server round
+    assert (ctrl.server_round, ctrl.round, ctrl.phase) == (2, 1, "A")
+    ctrl.start_round(server_round=7)  # federated clients rebuilt per round pass Flower's 1-based server_round
     assert (ctrl.round, ctrl.step, ctrl.phase) == (6, 0, "B")
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match=">= 1"):
+        ctrl.start_round(server_round=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        ctrl.start_round(server_round=True)
+
+
+def test_deprecated_zero_based_round_index_is_server_round_minus_one() -> None:
+    results = []
+    for call in ({"server_round": 4}, {"round_index": 3}, {"positional": 3}):
+        model = build("bert", alternation="round", first_factor="A")
+        ctrl = AlternationController(model, _adamw(model))
+        if "server_round" in call:
+            ctrl.start_round(**call)
+        else:
+            with pytest.warns(DeprecationWarning, match="server_round=round_index \\+ 1"):
+                ctrl.start_round(call["round_index"]) if "round_index" in call else ctrl.start_round(3)
+        results.append((ctrl.round, ctrl.server_round, ctrl.phase, ctrl.state_dict()["round"]))
+    assert results == [(3, 4, "B", 3)] * 3  # RoLoRA: first_factor in odd server rounds
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="round_index must be >= 0"):
         ctrl.start_round(-1)
+    with pytest.raises(TypeError, match="not both"):
+        ctrl.start_round(1, server_round=2)
+
+
+def test_schedule_is_passed_not_rediscovered() -> None:
+    from peft_lalora.schedule import AlternationSchedule
+
+    model = build("bert", alternation="step", first_factor="B")
+    config = next(iter(model.peft_config.values()))
+    assert config.schedule == AlternationSchedule("step", "B")
+    # the schedule given wins over the adapter's, and is the one state_dict reports
+    ctrl = AlternationController(model, _adamw(model), schedule=AlternationSchedule("round", "A"))
+    assert (ctrl.mode, ctrl.first_factor, ctrl.phase) == ("round", "A", "A")
+    assert ctrl.state_dict()["mode"] == "round"
+    ctrl.remove()
+    with pytest.raises(TypeError, match="not both"):
+        AlternationController(model, None, schedule=AlternationSchedule(), mode="none")
+    with pytest.raises(TypeError, match="AlternationSchedule"):
+        AlternationController(model, None, schedule=("step", "B"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contradicts"):
+        AlternationSchedule("freeze_a", "A")  # validated once, when built
+    with pytest.raises(ValueError, match="Unknown alternation mode"):
+        AlternationSchedule("sometimes", "B")  # type: ignore[arg-type]
+    assert AlternationSchedule("freeze_a").trained == "B" and not AlternationSchedule("none").freezes
+
+
+def test_apply_phase_is_the_one_freeze_operation() -> None:
+    from peft_lalora.factors import apply_phase, set_requires_grad
+
+    model = build("bert")
+    factors = peft_lalora.find_lora_factors(model)
+    for f in factors:
+        f.param.grad = torch.ones_like(f.param)
+    calls = []
+    apply_phase(factors, "B", lambda params, on: calls.append((len(params), on)))
+    n_a = sum(f.factor == "A" for f in factors)
+    assert calls == [(n_a, False), (len(factors) - n_a, True)]  # A first, then B
+    apply_phase(factors, "B")  # default: requires_grad, and grad=None when freezing
+    assert all(f.param.requires_grad == (f.factor == "B") for f in factors)
+    assert all((f.param.grad is None) == (f.factor == "A") for f in factors)
+    set_requires_grad([factors[0].param], True)
+    assert factors[0].param.requires_grad
 
 
 def test_lora_weights_actually_move_and_merge_changes_output() -> None:

@@ -170,3 +170,25 @@ def test_noise_zero_trains_and_logs_infinite_epsilon(tmp_path, accountant):
 def test_noise_zero_with_a_target_epsilon_is_refused(tmp_path):
     with pytest.raises(ValueError, match="noise_multiplier=0 spends epsilon = inf"):
         trainer(tmp_path, noise_multiplier=0.0, target_epsilon=3.0, make_private_kwargs=NON_PRIVATE)
+
+
+def test_alternation_gets_the_adapters_schedule_and_a_removed_controller_does_not_block_it(tmp_path):
+    from peft_lalora.schedule import AlternationSchedule
+
+    from peft_lalora import AlternationController, LALoraTrainerCallback
+
+    t = build(tmp_path)
+    first = AlternationController(t.model, t)  # the user's own, removed before train()
+    first.remove()
+    t._attach_alternation()  # what train() does first
+    assert t.controller is not None and t.controller is not first
+    assert t.controller.schedule == AlternationSchedule("step", "B")  # the LALoraConfig's, passed
+    t._attach_alternation()  # a live controller: no second one
+    live = [cb for cb in t.callback_handler.callbacks if isinstance(cb, LALoraTrainerCallback) and cb.controller]
+    assert len(live) == 1
+    # the DPTrainer's controller freezes with opacus_spectral.set_trainable: Opacus' per-sample state goes too
+    a = [f.param for f in t.controller.factors if f.factor == "A"]
+    for p in a:
+        p.grad_sample = torch.zeros(1)
+    t.controller.advance(0)  # phase "B": A frozen
+    assert all(not p.requires_grad and p.grad_sample is None for p in a)

@@ -13,8 +13,9 @@ When the checks run, and what they cost:
 * at installation: parameters on the ``meta`` device; trainable parameters the optimizer does not hold;
 * on every training-mode forward of the model (a forward pre-hook, one pass over the parameter list): the
   model's trainable parameters are the optimizer's, and every trainable parameter has Opacus' per-sample hooks;
-* on every inner optimizer step (an int compare): it followed Opacus' noisy step, and the accountant counted
-  that step exactly once (the doctor chains onto Opacus' ``step_hook``, after the accountant);
+* on every inner optimizer step (an int compare): it followed Opacus' noisy step (the attachment's
+  ``InnerStep.noised``), and the accountant counted that step exactly once (read on both sides of Opacus'
+  ``step_hook``);
 * on every DP step, when the doctor watches the DP data loader (:meth:`Doctor.watch_batches`; CPU integers, no
   sync): the step trained on a batch that loader yielded, and its per-sample gradients have one row per record
   of that batch (:mod:`.doctor_batches`);
@@ -24,6 +25,9 @@ When the checks run, and what they cost:
   the optimizer updates (one fused norm and one host sync per logical step; a pipeline checks it itself);
 * on the first DP step only: every trainable parameter has per-sample state and a noisy gradient, and moved
   (one copy of the trainable parameters, freed after the step).
+
+The doctor subscribes to the optimizer's :mod:`.attachment` (order :data:`~.attachment.DOCTOR`: before the
+pipeline, so it sees the noisy gradient as Opacus made it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ from opacus.grad_sample import GradSampleHooksFastGradientClipping, GradSampleMo
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from .advice import external_stacklevel
+from .attachment import (
+    AFTER_ACCOUNTANT,
+    AFTER_STEP,
+    BEFORE_ACCOUNTANT,
+    BEFORE_INNER_STEP,
+    DOCTOR,
+    PHYSICAL_BATCH,
+    InnerStep,
+    attachment,
+)
 from .copies import InertOnCopy
 from .doctor_batches import BatchObserver, per_sample_rows
 from .doctor_fingerprint import ParameterFingerprint, tensor_norms
@@ -121,10 +136,8 @@ class Doctor:
         self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
         self._first_step_pending = True
         self._removed = False
-        self._noised = False  # Opacus' step hook chain ran (noise added) since the last inner optimizer step
-        self._counted: int | None = None  # steps the accountant counted in that chain
-        self._prev_step_hook = dp_optimizer.step_hook  # the accountant; chained, never replaced (upstream.md §1.1)
-        dp_optimizer.step_hook = self._step_hook
+        self._before: int | None = None  # steps the accountant had counted before this step's step_hook
+        self._counted: int | None = None  # steps the accountant counted in that step_hook
         self._snapshot: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None
         self.dp_steps = 0  #: DP steps (noise added) seen since installation
         self._rows: int | None = 0  # per-sample rows of the physical batches since the last DP step
@@ -134,11 +147,13 @@ class Doctor:
         old = getattr(inner, DOCTOR_ATTR, None)
         if old is not None:
             old.remove()
-        self._opacus_pre_step = dp_optimizer.pre_step
-        dp_optimizer.pre_step = self._count_rows  # an instance attribute: DPOptimizer.step calls self.pre_step()
-        self._handles = [
-            inner.register_step_pre_hook(self._pre_step),
-            inner.register_step_post_hook(self._post_step),
+        att = attachment(dp_optimizer)
+        self._handles: list[Any] = [
+            att.subscribe(PHYSICAL_BATCH, self._count_rows, order=DOCTOR),
+            att.subscribe(BEFORE_ACCOUNTANT, self._before_accountant, order=DOCTOR),
+            att.subscribe(AFTER_ACCOUNTANT, self._after_accountant, order=DOCTOR),
+            att.subscribe(BEFORE_INNER_STEP, self._pre_step, order=DOCTOR),
+            att.subscribe(AFTER_STEP, self._post_step, order=DOCTOR),
             _forward_target(module, self._model).register_forward_pre_hook(InertOnCopy(self._on_forward)),
         ]
         setattr(inner, DOCTOR_ATTR, self)
@@ -177,10 +192,6 @@ class Doctor:
         self._removed = True
         if self._batches is not None:
             self._batches.detach()
-        if self.optimizer.__dict__.get("pre_step") == self._count_rows:
-            del self.optimizer.pre_step
-        if self.optimizer.step_hook == self._step_hook:  # else a later hook chains onto ours: it passes through
-            self.optimizer.step_hook = self._prev_step_hook
         inner = self.optimizer.original_optimizer
         if getattr(inner, DOCTOR_ATTR, None) is self:
             delattr(inner, DOCTOR_ATTR)
@@ -196,7 +207,7 @@ class Doctor:
         text = f"opacus_spectral doctor [{check}]: {message}"
         if self.mode == "raise":
             raise DoctorError(text)
-        warnings.warn(text, DoctorWarning, stacklevel=3)
+        warnings.warn(text, DoctorWarning, stacklevel=external_stacklevel())
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         return [p for group in self.optimizer.original_optimizer.param_groups for p in group["params"]]
@@ -275,21 +286,18 @@ class Doctor:
         if not self._fingerprint.has_baseline:  # the first forward after a DP step (weights loaded before it count)
             self._fingerprint.take()
 
-    def _count_rows(self, *args: Any, **kwargs: Any) -> Any:
-        """Opacus' ``pre_step``, after adding the physical batch's per-sample rows (a shape read)."""
-        if not self._removed:
-            rows = per_sample_rows(self.optimizer.params)
-            self._rows = None if rows is None or self._rows is None else self._rows + rows
-        return self._opacus_pre_step(*args, **kwargs)
+    def _count_rows(self, opt: DPOptimizer) -> None:
+        """Before Opacus' ``pre_step``: add the physical batch's per-sample rows (a shape read)."""
+        rows = per_sample_rows(opt.params)
+        self._rows = None if rows is None or self._rows is None else self._rows + rows
 
-    def _step_hook(self, opt: DPOptimizer) -> None:
-        before = accounted_steps(self.accountant) if self.accountant is not None else 0
-        if self._prev_step_hook is not None:
-            self._prev_step_hook(opt)
-        if self._removed:
-            return
-        self._noised = True
-        self._counted = accounted_steps(self.accountant) - before if self.accountant is not None else None
+    def _before_accountant(self, opt: DPOptimizer) -> None:
+        self._before = accounted_steps(self.accountant) if self.accountant is not None else None
+
+    def _after_accountant(self, opt: DPOptimizer) -> None:
+        """A DP step (noise added, the accountant's hook ran): the checks made once per DP step."""
+        before, self._before = self._before, None
+        self._counted = None if before is None else accounted_steps(self.accountant) - before
         self.dp_steps += 1
         rows, self._rows = self._rows, 0
         findings = self._batches.on_dp_step(rows) if self._batches is not None else []
@@ -345,9 +353,9 @@ class Doctor:
             names,
         )
 
-    def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        noised, counted = self._noised, self._counted
-        self._noised, self._counted = False, None
+    def _pre_step(self, step: InnerStep) -> None:
+        noised, counted = step.noised, self._counted
+        self._counted = None
         if not noised:
             self._report(
                 "accounting",
@@ -389,10 +397,11 @@ class Doctor:
             )
         self._snapshot = {n: (p, p.detach().clone()) for n, p in self._model.named_parameters() if p.requires_grad}
 
-    def _post_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post_step(self, step: InnerStep) -> None:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is None:
             return
+        inner = step.optimizer.original_optimizer
         lr = {id(p): group.get("lr", 1.0) for group in inner.param_groups for p in group["params"]}
         checked, unchanged = 0, []
         for name, (p, before) in snapshot.items():

@@ -9,8 +9,9 @@ What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :
   logical batch split into ``gradient_accumulation_steps`` physical batches (:class:`PhysicalBatches`), so the
   Trainer's accumulation loop sees exactly that many micro-batches per optimizer step;
 * ``create_optimizer``: the Trainer's optimizer goes through ``opacus_spectral.PrivacyEngine.make_private``
-  (``wrap_model=False``: the model stays the user's ``PeftModel``), σ from Opacus' ``get_noise_multiplier`` for
-  the run's ``max_steps`` and the same accountant; a resumed run's accountant and denoiser state are restored;
+  (``wrap_model=False``: the model stays the user's ``PeftModel``), the noise multiplier from
+  :func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` for the run's ``max_steps`` and the same
+  accountant; a resumed run's accountant and denoiser state are restored;
 * ``_wrap_model``: across processes (``torchrun``) the model goes into Opacus' ``DPDDP``, never torch DDP, the logical
   batch spans the ranks and each rank samples its own share of the records (:mod:`.trainer_distributed`);
 * ``training_step``: the per-example loss of each micro-batch (:mod:`.trainer_loss`: causal LM, token or sequence
@@ -36,7 +37,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn
@@ -49,6 +49,7 @@ from .denoiser import denoiser_name
 from .doctor import DoctorSetting, accounted_steps
 from .engine import PrivacyEngine
 from .grad_sample import set_trainable
+from .noise_multiplier import noise_multiplier_for
 from .noise_source import NoiseSource
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
 from .registry import DenoiserSpec
@@ -75,10 +76,11 @@ class DPTrainer(Trainer):
     Takes every ``Trainer`` argument, plus (keyword-only):
 
     Args:
-        target_epsilon: the budget; σ is calibrated so that ``max_steps`` (or the epochs) end within it, and
-            training stops early if a given ``noise_multiplier`` would exceed it.
+        target_epsilon: the budget; the noise multiplier is calibrated so that ``max_steps`` (or the epochs) end
+            within it, and training stops early if a given ``noise_multiplier`` would exceed it.
         target_delta: δ of the guarantee (required; also the δ at which ε is logged).
-        noise_multiplier: σ; ``None`` calibrates it from ``target_epsilon``.
+        noise_multiplier: the noise multiplier (noise std / ``max_grad_norm``); ``None`` calibrates it from
+            ``target_epsilon``.
         max_grad_norm: per-example clipping bound (``TrainingArguments.max_grad_norm`` is not used).
         post_hooks: denoisers run on the noisy gradient each logical step (``make_private(post_hooks=...)``).
         grad_sample_mode: ``"hooks"`` (default), ``"functorch"`` or ``"ghost"``.
@@ -93,8 +95,8 @@ class DPTrainer(Trainer):
         criterion: sequence classification under ghost clipping: the per-example loss (default
             ``nn.CrossEntropyLoss`` on ``logits``, with ``TrainingArguments.label_smoothing_factor``).
         doctor: ``"raise"`` (default), ``"warn"`` or ``False`` — see :mod:`~opacus_spectral.doctor`.
-        alternation: attach peft_lalora's alternation callback when the model carries a LALoRA adapter and none
-            is attached yet.
+        alternation: attach peft_lalora's alternation controller (with the active LALoRA adapter's schedule) when
+            the model carries a LALoRA adapter and no controller is attached yet.
         release_nonprivate_stats: also log the training loss, token and FLOP counts and timing (NOT private).
         make_private_kwargs: further ``make_private`` arguments (``on_denoiser_error``, ``on_nonfinite_grad``, ...).
     """
@@ -189,10 +191,10 @@ class DPTrainer(Trainer):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("pass a plain torch optimizer (optimizers=...): DPTrainer makes it private itself")
         check_trainable_dtypes(optimizer)
-        sigma = self.noise_multiplier
-        if sigma is None:
+        noise_multiplier = self.noise_multiplier
+        if noise_multiplier is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
-            sigma = get_noise_multiplier(
+            noise_multiplier = noise_multiplier_for(
                 target_epsilon=self.target_epsilon,
                 target_delta=self.target_delta,
                 sample_rate=self.sample_rate,
@@ -209,7 +211,7 @@ class DPTrainer(Trainer):
             module=module,
             optimizer=optimizer,
             data_loader=self._logical_loader,
-            noise_multiplier=sigma,
+            noise_multiplier=noise_multiplier,
             max_grad_norm=self.max_grad_norm,
             poisson_sampling=True,
             grad_sample_mode=self.grad_sample_mode,
@@ -255,7 +257,7 @@ class DPTrainer(Trainer):
         steps = accounted_steps(self.privacy_engine.accountant)
         if steps == 0:
             return 0.0
-        if spends_infinite_epsilon(self.privacy_engine.accountant):  # σ = 0: the accountants overflow (PRV) instead
+        if spends_infinite_epsilon(self.privacy_engine.accountant):  # no noise: the accountants overflow (PRV) instead
             return math.inf
         if delta is not None and delta != self.target_delta:
             return float(self.privacy_engine.get_epsilon(delta))
@@ -411,13 +413,23 @@ class DPTrainer(Trainer):
             self._release()
 
     def _attach_alternation(self) -> None:
+        """peft_lalora's controller on this Trainer, given the active LALoRA adapter's schedule; it freezes factors
+        with ``set_trainable`` (per-sample state included). A removed controller's callback does not count."""
         lalora = sys.modules.get("peft_lalora")
         if not self.alternation or lalora is None:
             return
-        if any(isinstance(cb, lalora.LALoraTrainerCallback) for cb in self.callback_handler.callbacks):
+        callbacks = self.callback_handler.callbacks
+        if any(isinstance(cb, lalora.LALoraTrainerCallback) and cb.controller is not None for cb in callbacks):
             return
         configs = getattr(self.model, "peft_config", None)
-        if isinstance(configs, dict) and any(isinstance(c, lalora.LALoraConfig) for c in configs.values()):
+        if not (isinstance(configs, dict) and any(isinstance(c, lalora.LALoraConfig) for c in configs.values())):
+            return
+        active = getattr(self.model, "active_adapters", None) or list(configs)
+        names = [active] if isinstance(active, str) else list(active)
+        schedules = {configs[n].schedule for n in names if isinstance(configs.get(n), lalora.LALoraConfig)}
+        if len(schedules) == 1:
+            self.controller = lalora.AlternationController(self.model, self, schedule=schedules.pop())
+        else:  # no active LALoRA adapter, or several that disagree: the controller says which
             self.controller = lalora.AlternationController(self.model, self)
 
     def _release(self) -> None:

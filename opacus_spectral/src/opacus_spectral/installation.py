@@ -1,15 +1,14 @@
 """Installing the denoiser pipeline on an Opacus optimizer.
 
-Where it runs (``docs/upstream.md`` §1.3): a step **pre-hook on the inner optimizer**
-(``dp_optimizer.original_optimizer``). That hook fires after Opacus' clipping, noise, scaling, accountant
-and — under DDP — the all-reduce, for every Opacus optimizer class, and once per logical step
-(BatchMemoryManager's virtual steps never reach the inner optimizer). Opacus' single ``step_hook`` slot is
-*chained* (never replaced): the previous hook (the accountant) runs first, then a snapshot of sigma, which
-for AdaClip must be taken before the clipping bound is updated (``docs/upstream.md`` §1.2).
+Where it runs (``docs/upstream.md`` §1.3): on the optimizer's :mod:`.attachment`, at ``BEFORE_INNER_STEP`` — the
+step pre-hook of the inner optimizer (``dp_optimizer.original_optimizer``), after Opacus' clipping, noise,
+scaling, accountant and — under DDP — the all-reduce, for every Opacus optimizer class, and once per logical step
+(BatchMemoryManager's virtual steps never reach the inner optimizer). The per-entry noise std is read at
+``AFTER_ACCOUNTANT``, which for AdaClip precedes the clipping bound's update (``docs/upstream.md`` §1.2).
 
-A step whose pre-hook finds a sigma snapshot is a *logical step*: Opacus added noise to it.
-:attr:`PostHookHandle.logical_steps` counts them, and callbacks added with
-:meth:`PostHookHandle.add_step_callback` run after each one (from a step post-hook on the inner optimizer).
+An inner step to which Opacus added noise (the attachment's ``InnerStep.noised``) is a *logical step*;
+:attr:`PostHookHandle.logical_steps` counts them, and callbacks added with :meth:`PostHookHandle.add_step_callback`
+run after each one (at ``AFTER_STEP``). An inner step without noise is skipped, counted and warned about once.
 """
 
 from __future__ import annotations
@@ -20,15 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from opacus.optimizers import (
-    DPOptimizer,
-    DPPerLayerOptimizer,
-    FSDPOptimizerFastGradientClipping,
-)
+from opacus.optimizers import DPOptimizer, FSDPOptimizerFastGradientClipping
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .advice import DenoiserAdviceWarning, combination_advice, external_stacklevel
+from .attachment import AFTER_ACCOUNTANT, AFTER_STEP, BEFORE_INNER_STEP, PIPELINE, InnerStep, attachment
 from .calibration import clean_scale, noise_std, world_size
 from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
@@ -53,6 +49,7 @@ class PostHookHandle:
     Returned by :func:`install_post_hooks` and held as ``engine.post_hooks``. Besides the pipeline's
     ``diagnostics`` and state, it tells a training loop when a logical DP step completed
     (:attr:`logical_steps`, :meth:`add_step_callback`), as opposed to a BatchMemoryManager virtual step.
+    It subscribes to the optimizer's :mod:`.attachment` (order :data:`~.attachment.PIPELINE`).
     """
 
     def __init__(
@@ -77,16 +74,14 @@ class PostHookHandle:
         self._callbacks: OrderedDict[int, StepCallback] = OrderedDict()  # weak-referenceable, for RemovableHandle
         # (step index, diagnostics) of a logical step whose pipeline ran, until the inner step completes
         self._completed: tuple[int, StepDiagnostics | None] | None = None
-        self._prev_step_hook = dp_optimizer.step_hook
-        # per-layer clipping pairs norms with params positionally: remember the wrap-time order
-        self._per_layer_ids = (
-            [id(p) for p in dp_optimizer.params] if isinstance(dp_optimizer, DPPerLayerOptimizer) else None
-        )
-        dp_optimizer.step_hook = self._step_hook
-        inner = dp_optimizer.original_optimizer
-        self._torch_handle = inner.register_step_pre_hook(self._pre_step)
-        self._torch_post_handle = inner.register_step_post_hook(self._post_step)
-        setattr(inner, HANDLE_ATTR, self)
+        att = attachment(dp_optimizer)
+        self._subscriptions = [
+            att.require_fixed_trainable_set(),  # per-layer clipping names parameters by wrap-time position
+            att.subscribe(AFTER_ACCOUNTANT, self._snapshot, order=PIPELINE),
+            att.subscribe(BEFORE_INNER_STEP, self._pre_step, order=PIPELINE),
+            att.subscribe(AFTER_STEP, self._post_step, order=PIPELINE),
+        ]
+        setattr(dp_optimizer.original_optimizer, HANDLE_ATTR, self)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -135,11 +130,9 @@ class PostHookHandle:
         if self._removed:
             return
         self._removed = True
-        self._torch_handle.remove()
-        self._torch_post_handle.remove()
+        for subscription in self._subscriptions:
+            subscription.remove()
         self._completed = None
-        if self.optimizer.step_hook == self._step_hook:
-            self.optimizer.step_hook = self._prev_step_hook
         inner = self.optimizer.original_optimizer
         if getattr(inner, HANDLE_ATTR, None) is self:
             delattr(inner, HANDLE_ATTR)
@@ -148,24 +141,16 @@ class PostHookHandle:
         every = [p for group in self.optimizer.original_optimizer.param_groups for p in group["params"]]
         return describe_parameters(every, self._module, self._registry)
 
-    # -- hooks ----------------------------------------------------------------------------------------
-    def _step_hook(self, opt: DPOptimizer) -> None:
-        if self._per_layer_ids is not None and [id(p) for p in opt.params] != self._per_layer_ids:
-            raise RuntimeError(
-                "clipping='per_layer' pairs clipping norms with the trainable parameters by position; the set of "
-                "trainable parameters changed since make_private (e.g. alternating LoRA factors), so norms would "
-                "be applied to the wrong parameters. Use clipping='flat' with parameter toggling."
-            )
-        if self._prev_step_hook is not None:
-            self._prev_step_hook(opt)
-        if not self._removed:
-            self._sigma = noise_std(opt)
-            self._scale = clean_scale(opt) if self.pipeline.oracle else None
+    # -- the attachment's events ----------------------------------------------------------------------
+    def _snapshot(self, opt: DPOptimizer) -> None:
+        """After the accountant and before AdaClip's bound update (``docs/upstream.md`` §1.2): this step's std."""
+        self._sigma = noise_std(opt)
+        self._scale = clean_scale(opt) if self.pipeline.oracle else None
 
-    def _pre_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, step: InnerStep) -> None:
         sigma, self._sigma = self._sigma, None
         self._completed = None
-        if sigma is None:
+        if not step.noised or sigma is None:
             # Opacus' pre_step did not run (the inner optimizer was stepped directly): p.grad holds no DP noise,
             # so a denoiser must not see it. Skip, warn once, count.
             self.pipeline.diagnostics.skipped += 1
@@ -174,7 +159,7 @@ class PostHookHandle:
                     "the inner optimizer stepped without Opacus adding noise (DPOptimizer.step was bypassed); "
                     "the denoiser pipeline was skipped for that step",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=external_stacklevel(),
                 )
             return
         index = self._logical_steps
@@ -215,7 +200,7 @@ class PostHookHandle:
             install_fresh_grads(params, out)
         return diag
 
-    def _post_step(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post_step(self, step: InnerStep) -> None:
         completed, self._completed = self._completed, None
         if completed is None:
             return

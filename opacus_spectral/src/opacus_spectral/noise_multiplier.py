@@ -31,7 +31,10 @@ def noise_multiplier_for(
     from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415 - heavy import
 
     if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon!r}")
+        raise ValueError(
+            f"target_epsilon must be a positive finite number, got {target_epsilon!r} (a run without privacy takes "
+            "noise_multiplier=0 instead of a budget)"
+        )
     if not 0 < target_delta < 1:
         raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
     if not 0 < sample_rate <= 1:

@@ -16,12 +16,14 @@ __all__ = ["DPControl", "budget_steps", "epsilon_after", "spends_infinite_epsilo
 
 
 def spends_infinite_epsilon(accountant: Any) -> bool:
-    """Whether the accountant's history holds a step of σ = 0 (no noise): ε is then infinite at every δ < 1."""
-    return any(float(sigma) == 0 and rate > 0 and steps > 0 for sigma, rate, steps in accountant.history)
+    """Whether the accountant's history holds a step of noise multiplier 0 (no noise): ε is then infinite at every
+    δ < 1."""
+    return any(float(nm) == 0 and rate > 0 and steps > 0 for nm, rate, steps in accountant.history)
 
 
 def epsilon_after(accountant: Any, more: int, *, noise_multiplier: float, sample_rate: float, delta: float) -> float:
-    """ε at ``delta`` once ``more`` steps of (σ, q) follow the accountant's history (the accountant is untouched)."""
+    """ε at ``delta`` once ``more`` steps of (noise_multiplier, q) follow the accountant's history (the accountant
+    is untouched)."""
     acc = create_accountant(accountant.mechanism())
     acc.history = list(accountant.history)
     if more > 0:

@@ -26,7 +26,7 @@ def check_supported(t: Any) -> None:
     if t.target_delta is None or not 0 < t.target_delta < 1:
         raise ValueError(f"target_delta in (0, 1) is required (the δ of the guarantee), got {t.target_delta}")
     if t.target_epsilon is None and t.noise_multiplier is None:
-        raise ValueError("give target_epsilon (σ is calibrated from it) or noise_multiplier")
+        raise ValueError("give target_epsilon (the noise multiplier is calibrated from it) or noise_multiplier")
     if t.target_epsilon is not None and not t.target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {t.target_epsilon}")
     if t.target_epsilon is not None and t.noise_multiplier == 0:
@@ -40,7 +40,7 @@ def check_supported(t: Any) -> None:
     if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm > 0):
         raise ValueError(
             f"max_grad_norm (the per-example clipping bound C) must be finite and > 0, got {t.max_grad_norm}: "
-            "the noise std is σ·C, so C sets the privacy guarantee"
+            "the noise std is noise_multiplier·C, so C sets the privacy guarantee"
         )
     taken = set(t.make_private_kwargs) & {
         "module",
@@ -57,6 +57,14 @@ def check_supported(t: Any) -> None:
     }
     if taken:
         raise ValueError(f"make_private_kwargs may not set {sorted(taken)}: DPTrainer sets them")
+    for bad, why in _refusals(t):
+        if bad:
+            raise ValueError(f"DPTrainer cannot train with {why}")
+
+
+def _refusals(t: Any) -> list[tuple[bool, str | None]]:
+    """(refused?, why) for every TrainingArguments / DPTrainer setting that cannot work (``docs/trainer.md``)."""
+    a = t.args
     parallelism = unsupported_parallelism(t)  # plain data parallel (torchrun) runs: .trainer_distributed
     refusals = [
         (
@@ -111,9 +119,7 @@ def check_supported(t: Any) -> None:
     ]
     ghost_loss = loss_refusal(t)
     refusals.append((ghost_loss is not None, ghost_loss))
-    for bad, why in refusals:
-        if bad:
-            raise ValueError(f"DPTrainer cannot train with {why}")
+    return refusals
 
 
 def _overrides_compute_loss(t: Any) -> bool:
@@ -147,7 +153,8 @@ def check_run_length(max_steps: int, num_train_epochs: float) -> None:
     if max_steps == 0 or (max_steps < 0 and num_train_epochs <= 0):
         raise ValueError(
             f"DPTrainer cannot train with max_steps={max_steps}, num_train_epochs={num_train_epochs}: a run of 0 "
-            "steps (σ is calibrated and the budget checked for the run's steps, while transformers would still take "
+            "steps (the noise multiplier is calibrated and the budget checked for the run's steps, while transformers "
+            "would still take "
             "one). Set max_steps >= 1, or max_steps=-1 and num_train_epochs > 0."
         )
 

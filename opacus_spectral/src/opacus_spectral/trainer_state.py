@@ -6,10 +6,11 @@ DPTrainer's ``opacus_spectral_dp.pt``: the DP set-up, the accountant's history, 
 a digest of the trained parameters. It holds no random generator's state: the noise and the Poisson sample come
 from generators that are never saved (``docs/trainer.md``, "Noise and reproducibility").
 
-On resume the accountant's history must be the configured σ and sample rate for exactly ``global_step`` steps, the
-Trainer's and the DP state's step must agree, no counter beside them may have counted more steps, and the loaded
-parameters must be the ones the DP state was saved with. These are consistency checks: they refuse edited or mixed
-checkpoints, not one forged consistently in every file (that needs a key; keep checkpoints where only you write).
+On resume the accountant's history must be the configured noise multiplier and sample rate for exactly
+``global_step`` steps, the Trainer's and the DP state's step must agree, no counter beside them may have counted
+more steps, and the loaded parameters must be the ones the DP state was saved with. These are consistency checks:
+they refuse edited or mixed checkpoints, not one forged consistently in every file (that needs a key; keep
+checkpoints where only you write).
 """
 
 from __future__ import annotations

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
 
 from peft import LoraConfig
 
-AlternationMode = Literal["step", "round", "freeze_a", "none"]
-Factor = Literal["B", "A"]
+from .schedule import ALTERNATION_MODES, FACTORS, AlternationMode, AlternationSchedule, Factor, validate_schedule
 
-#: alternation modes, and the method of the paper each one reproduces
-ALTERNATION_MODES: dict[AlternationMode, str] = {
-    "step": "LA-LoRA: B and A alternate every optimizer step (the counter restarts each round)",
-    "round": "RoLoRA: one factor per federated round, the other one in the next round",
-    "freeze_a": "FFA-LoRA: A stays at its initialisation, B trains every step",
-    "none": "DP-LoRA: both factors train every step (plain LoRA)",
-}
-FACTORS: tuple[Factor, Factor] = ("B", "A")
+__all__ = [
+    "ALTERNATION_MODES",
+    "FACTORS",
+    "AlternationMode",
+    "AlternationSchedule",
+    "Factor",
+    "LALoraConfig",
+    "LALoraPeftType",
+    "validate_schedule",
+]
 
 
 class LALoraPeftType(str, enum.Enum):
@@ -79,16 +79,7 @@ class LALoraConfig(LoraConfig):
                 "vector belongs to neither factor of the schedule. Use alternation='none' or use_dora=False."
             )
 
-
-def validate_schedule(alternation: object, first_factor: object) -> None:
-    """Raise ``ValueError`` with the allowed values for an unknown mode/factor or a contradictory pair."""
-    if not isinstance(alternation, str) or alternation not in ALTERNATION_MODES:
-        allowed = ", ".join(f"{k!r} ({v.split(':')[0]})" for k, v in ALTERNATION_MODES.items())
-        raise ValueError(f"Unknown alternation mode {alternation!r}; expected one of {allowed}.")
-    if not isinstance(first_factor, str) or first_factor not in FACTORS:
-        raise ValueError(f"first_factor must be 'B' (paper) or 'A' (reference code), got {first_factor!r}.")
-    if alternation == "freeze_a" and first_factor == "A":
-        raise ValueError(
-            "alternation='freeze_a' (FFA-LoRA) never trains A, so first_factor='A' contradicts it; "
-            "use first_factor='B'."
-        )
+    @property
+    def schedule(self) -> AlternationSchedule:
+        """The adapter's alternation schedule, as :class:`~peft_lalora.AlternationController` takes it."""
+        return AlternationSchedule(self.alternation, self.first_factor)

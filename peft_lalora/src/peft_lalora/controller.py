@@ -1,61 +1,39 @@
-"""The alternation controller: which LoRA factor trains on which optimizer step (``docs/math.md`` §3.2).
+"""The alternation controller: applies an :class:`~peft_lalora.schedule.AlternationSchedule` to the LoRA factors,
+optimizer step by optimizer step (``docs/math.md`` §3.2; the schedules are tabled in :mod:`.schedule`).
 
-Schedules (``k`` = local step within the round, counted from 0; ``t`` = round index; ``F`` = first
-factor, ``F'`` the other one):
+The controller counts *real* optimizer steps: ``register_step_post_hook`` of a torch optimizer; for an Opacus
+``DPOptimizer``, its ``AFTER_STEP`` event (``opacus_spectral.attachment``: the post-hook of
+``dp_optimizer.original_optimizer``, which BatchMemoryManager's virtual steps never reach; ``docs/upstream.md``
+§1.3); or ``on_optimizer_step`` of an HF ``Trainer``. After each counted step it applies the next phase with
+:func:`~peft_lalora.factors.apply_phase`: the frozen factor gets ``requires_grad=False`` and ``grad=None`` (so AdamW
+moments and weight decay leave it untouched); under Opacus (a ``DPOptimizer`` or ``opacus_spectral``'s
+``DPTrainer``) ``opacus_spectral.set_trainable`` also drops its per-sample state (``docs/upstream.md`` §1.4).
 
-==============  ====================================  ====================================
-mode            trainable factor(s)                   method
-==============  ====================================  ====================================
-``"step"``      ``F`` if ``k`` even else ``F'``        LA-LoRA (arXiv 2602.19926, Alg. 1)
-``"round"``     ``F`` if ``t`` even else ``F'``        RoLoRA
-``"freeze_a"``  ``B``                                  FFA-LoRA
-``"none"``      ``A`` and ``B``                        DP-LoRA
-==============  ====================================  ====================================
-
-The controller counts *real* optimizer steps: it hooks ``register_step_post_hook`` of a torch optimizer,
-of ``dp_optimizer.original_optimizer`` for an Opacus ``DPOptimizer`` (BatchMemoryManager's virtual steps
-never reach the inner optimizer, so they do not count; ``docs/upstream.md`` §1.3), or ``on_optimizer_step``
-of an HF ``Trainer``. After each counted step it applies the next phase: the frozen factor gets
-``requires_grad=False`` and ``grad=None`` (so AdamW moments and weight decay leave it untouched; under
-Opacus, ``opacus_spectral.set_trainable`` also drops its per-sample state; ``docs/upstream.md`` §1.4).
+Rounds: :meth:`AlternationController.start_round` takes Flower's 1-based ``server_round``; the schedule round
+``t`` of the table (:attr:`AlternationController.round`, and the state's ``"round"``) is ``server_round - 1``.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .config import ALTERNATION_MODES, AlternationMode, Factor, validate_schedule
-from .factors import LoraFactor, find_lora_factors
+from .factors import LoraFactor, SetTrainable, apply_phase, find_lora_factors, set_requires_grad
+from .schedule import ALTERNATION_MODES, AlternationMode, AlternationSchedule, Factor, Phase, phase_at
 
-Phase = Literal["A", "B", "AB"]
+__all__ = ["AlternationController", "LALoraTrainerCallback", "Phase", "phase_at"]
 
 _STATE_KEYS = ("mode", "first_factor", "step", "round", "round_started", "total_steps")
 
 #: the controller attached to each optimizer (the inner one of a DPOptimizer) or Trainer: one at most
 _ATTACHED: weakref.WeakKeyDictionary[Any, AlternationController] = weakref.WeakKeyDictionary()
-
-
-def phase_at(mode: AlternationMode, first_factor: Factor, step: int, round_index: int) -> Phase:
-    """Trainable factor(s) at local step ``step`` of round ``round_index`` (pure function of the schedule)."""
-    if mode == "step":
-        index = step % 2
-    elif mode == "round":
-        index = round_index % 2
-    elif mode == "freeze_a":
-        return "B"
-    elif mode == "none":
-        return "AB"
-    else:
-        validate_schedule(mode, first_factor)
-        raise AssertionError("unreachable")
-    other = "A" if first_factor == "B" else "B"
-    return first_factor if index == 0 else other  # type: ignore[return-value]
 
 
 def _is_dp_optimizer(optimizer: object) -> bool:
@@ -70,7 +48,7 @@ def _is_trainer(obj: object) -> bool:
     return hasattr(obj, "add_callback") and hasattr(obj, "create_optimizer") and hasattr(obj, "callback_handler")
 
 
-def _dp_set_trainable() -> Callable[[Sequence[nn.Parameter], bool], None]:
+def _dp_set_trainable() -> SetTrainable:
     try:
         from opacus_spectral import set_trainable
     except ImportError as exc:
@@ -79,6 +57,11 @@ def _dp_set_trainable() -> Callable[[Sequence[nn.Parameter], bool], None]:
             "state handling). Install it with `pip install peft-lalora[dp]`."
         ) from exc
     return set_trainable
+
+
+def _is_dp_trainer(trainer: object) -> bool:
+    hf = sys.modules.get("opacus_spectral.hf")  # imported by whoever built a DPTrainer
+    return hf is not None and isinstance(trainer, hf.DPTrainer)
 
 
 class AlternationController:
@@ -91,15 +74,19 @@ class AlternationController:
         peft_model: the PeftModel (or any module containing LoRA layers, e.g. Opacus's GradSampleModule).
         optimizer: a torch optimizer, an Opacus ``DPOptimizer``, an HF ``Trainer`` (a callback is added), or
             ``None`` (call :meth:`advance` yourself after every optimizer step).
-        mode: alternation mode; default: the adapter's ``LALoraConfig.alternation`` (required for a plain
-            ``LoraConfig`` adapter).
-        first_factor: default: the adapter's ``LALoraConfig.first_factor`` (``"B"`` for a plain LoRA adapter).
+        schedule: the :class:`~peft_lalora.schedule.AlternationSchedule` to apply, e.g. ``LALoraConfig.schedule``.
+            Without it (and without ``mode``/``first_factor``): the active adapter's ``LALoraConfig`` schedule.
+        mode: instead of ``schedule``: the alternation mode; default: the adapter's ``LALoraConfig.alternation``
+            (required for a plain ``LoraConfig`` adapter).
+        first_factor: instead of ``schedule``: default the adapter's ``LALoraConfig.first_factor`` (``"B"`` for a
+            plain LoRA adapter).
         adapter_name: which adapter; default: the active adapter(s).
 
     Raises:
         ValueError: unknown mode/factor, no LoRA factors, factors missing from the optimizer, an Opacus
             per-layer clipping optimizer with a mode that freezes factors, or an optimizer (Trainer) that already
             has a controller (``remove()`` that one first).
+        TypeError: ``schedule`` together with ``mode``/``first_factor``, or not an ``AlternationSchedule``.
         ImportError: a DPOptimizer without opacus-spectral installed.
     """
 
@@ -108,28 +95,38 @@ class AlternationController:
         peft_model: nn.Module,
         optimizer: Any = None,
         *,
+        schedule: AlternationSchedule | None = None,
         mode: AlternationMode | None = None,
         first_factor: Factor | None = None,
         adapter_name: str | Sequence[str] | None = None,
     ) -> None:
-        mode, first_factor = self._resolve_schedule(peft_model, mode, first_factor, adapter_name)
-        validate_schedule(mode, first_factor)
-        self.mode: AlternationMode = mode
-        self.first_factor: Factor = first_factor
+        if schedule is None:
+            schedule = self._resolve_schedule(peft_model, mode, first_factor, adapter_name)
+        elif mode is not None or first_factor is not None:
+            raise TypeError("pass schedule= or mode=/first_factor=, not both")
+        elif not isinstance(schedule, AlternationSchedule):
+            raise TypeError(f"schedule must be a peft_lalora.AlternationSchedule, got {type(schedule).__name__}")
+        self.schedule: AlternationSchedule = schedule
         self.factors: list[LoraFactor] = find_lora_factors(peft_model, adapter_name)
         if not self.factors:
             raise ValueError("No LoRA factors found: the model has no peft.tuners.lora.LoraLayer for this adapter.")
-        self._a = [f.param for f in self.factors if f.factor == "A"]
-        self._b = [f.param for f in self.factors if f.factor == "B"]
         self.step = 0  #: optimizer steps taken in the current round
-        self.round = 0  #: current round index
+        self.round = 0  #: current schedule round, 0-based (``server_round - 1``)
         self.round_started = False  #: whether start_round() was called at least once
         self.total_steps = 0  #: optimizer steps counted since construction (across rounds)
         self._handle: Any = None
         self._callback: LALoraTrainerCallback | None = None
         self._owner: weakref.ref[Any] | None = None  #: the optimizer / Trainer this controller is attached to
-        self._set_trainable: Callable[[Sequence[nn.Parameter], bool], None] = self._plain_set_trainable
+        self._set_trainable: SetTrainable = set_requires_grad
         self._attach(optimizer)
+
+    @property
+    def mode(self) -> AlternationMode:
+        return self.schedule.mode
+
+    @property
+    def first_factor(self) -> Factor:
+        return self.schedule.first_factor
 
     # ----------------------------------------------------------------------------------------- setup
     @staticmethod
@@ -138,7 +135,9 @@ class AlternationController:
         mode: AlternationMode | None,
         first_factor: Factor | None,
         adapter_name: str | Sequence[str] | None,
-    ) -> tuple[AlternationMode, Factor]:
+    ) -> AlternationSchedule:
+        """The fallback without ``schedule=``: ``mode``/``first_factor``, completed from the active adapters'
+        ``LALoraConfig`` found in ``model.modules()``."""
         from .config import LALoraConfig
 
         configs: list[Any] = []
@@ -151,19 +150,18 @@ class AlternationController:
                     names = [active] if isinstance(active, str) else list(active)
                 configs = [peft_config[n] for n in names if n in peft_config]
                 break
-        lalora = [c for c in configs if isinstance(c, LALoraConfig)]
-        schedules = {(c.alternation, c.first_factor) for c in lalora}
+        schedules = {(c.alternation, c.first_factor) for c in configs if isinstance(c, LALoraConfig)}
         if len(schedules) > 1 and (mode is None or first_factor is None):
             raise ValueError(f"Active adapters disagree on the schedule {sorted(schedules)}; pass mode/first_factor.")
         if schedules:
             cfg_mode, cfg_first = schedules.pop()
-            return (mode or cfg_mode, first_factor or cfg_first)
+            return AlternationSchedule(mode or cfg_mode, first_factor or cfg_first)
         if mode is None:
             raise ValueError(
                 "The adapter is not a LALoraConfig adapter; pass mode= one of "
                 + ", ".join(map(repr, ALTERNATION_MODES))
             )
-        return mode, first_factor or "B"
+        return AlternationSchedule(mode, first_factor or "B")
 
     def _attach(self, optimizer: Any) -> None:
         if optimizer is None:
@@ -172,6 +170,8 @@ class AlternationController:
         if _is_trainer(optimizer):
             # The Trainer builds its optimizer in train(), from the params trainable *then*: keep both factors
             # trainable now and apply the phase at on_train_begin.
+            if _is_dp_trainer(optimizer):
+                self._set_trainable = _dp_set_trainable()
             self._claim(optimizer, "Trainer")
             self._callback = LALoraTrainerCallback(self)
             optimizer.add_callback(self._callback)
@@ -183,20 +183,23 @@ class AlternationController:
             )
         self.check_optimizer(optimizer)
         if _is_dp_optimizer(optimizer):
-            if hasattr(optimizer, "max_grad_norms") and self.mode != "none":
-                raise ValueError(
-                    f"alternation={self.mode!r} cannot be used with Opacus per-layer clipping (clipping='per_layer'): "
-                    "Opacus pairs the per-layer norms with the currently trainable params by position, which is "
-                    "wrong once a factor is frozen. Use clipping='flat' (or alternation='none')."
-                )
-            self._set_trainable = _dp_set_trainable()
-            inner = optimizer.original_optimizer  # virtual (BatchMemoryManager) steps never call its step()
-            self._check_trainable_at_wrap_time(inner)
+            self._attach_dp(optimizer)
         else:
-            inner = optimizer
-        self._claim(inner, "optimizer")
-        self._handle = inner.register_step_post_hook(self._on_optimizer_step)
+            self._claim(optimizer, "optimizer")
+            self._handle = optimizer.register_step_post_hook(self._on_optimizer_step)
         self._apply_phase()
+
+    def _attach_dp(self, dp_optimizer: Any) -> None:
+        """Subscribe to the DPOptimizer's ``AFTER_STEP`` event (``opacus_spectral.attachment``)."""
+        self._set_trainable = _dp_set_trainable()
+        from opacus_spectral.attachment import AFTER_STEP, CONTROLLER, attachment, refuse_toggling
+
+        if self.schedule.freezes:
+            refuse_toggling(dp_optimizer, f"alternation={self.mode!r}", "alternation='none'")
+        inner = dp_optimizer.original_optimizer  # virtual (BatchMemoryManager) steps never call its step()
+        self._check_trainable_at_wrap_time(inner)
+        self._claim(inner, "optimizer")
+        self._handle = attachment(dp_optimizer).subscribe(AFTER_STEP, self._on_dp_step, order=CONTROLLER)
 
     def _claim(self, owner: Any, what: str) -> None:
         """Register as ``owner``'s controller; refuse a second one (both would count steps, and whichever
@@ -214,8 +217,7 @@ class AlternationController:
         """Under DP, every factor the schedule will train must still be trainable now: Opacus only hooks
         parameters trainable at ``make_private`` time, so a factor frozen before it can never get a
         per-sample gradient later."""
-        ever = "B" if self.mode == "freeze_a" else "AB"
-        frozen = [f.name for f in self.factors if f.factor in ever and not f.param.requires_grad]
+        frozen = [f.name for f in self.factors if f.factor in self.schedule.trained and not f.param.requires_grad]
         if frozen:
             other = _ATTACHED.get(inner)
             hint = f" (the optimizer already has {other!r}: call .remove() on it first)" if other is not None else ""
@@ -240,22 +242,40 @@ class AlternationController:
     @property
     def phase(self) -> Phase:
         """Factor(s) trained by the next optimizer step: ``"A"``, ``"B"`` or ``"AB"``."""
-        return phase_at(self.mode, self.first_factor, self.step, self.round)
+        return self.schedule.phase(self.step, self.round)
 
-    def start_round(self, round_index: int | None = None) -> None:
+    @property
+    def server_round(self) -> int:
+        """The current round in Flower's 1-based numbering (``round + 1``)."""
+        return self.round + 1
+
+    def start_round(self, round_index: int | None = None, *, server_round: int | None = None) -> None:
         """Begin a federated round: reset the local step counter and apply the round's first phase.
 
         Args:
-            round_index: the server's round number (use it when the controller is rebuilt every round, as in
-                Flower clients). Default: the previous round + 1 — except for a first call before any step,
-                which starts round 0 (so calling it at the top of every round, or only between rounds,
-                gives the same schedule).
+            server_round: Flower's 1-based round number (the ``server_round`` of ``Client.fit``; pass it when the
+                controller is rebuilt every round, as in Flower clients); schedule round ``server_round - 1``.
+                Default: the previous round + 1 — except for a first call before any step, which starts server
+                round 1 (so calling it at the top of every round, or only between rounds, gives the same schedule).
+            round_index: deprecated: the 0-based schedule round (``server_round - 1``).
         """
-        if round_index is None:
-            round_index = self.round + 1 if (self.round_started or self.step > 0) else 0
-        if int(round_index) < 0:
-            raise ValueError(f"round_index must be >= 0, got {round_index}.")
-        self.round = int(round_index)
+        if round_index is not None:
+            if server_round is not None:
+                raise TypeError("pass server_round= (1-based) or the deprecated round_index (0-based), not both")
+            warnings.warn(
+                "AlternationController.start_round(round_index) is deprecated: pass the 1-based "
+                "server_round=round_index + 1 (Flower's numbering)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if int(round_index) < 0:
+                raise ValueError(f"round_index must be >= 0, got {round_index}.")
+            server_round = int(round_index) + 1
+        if server_round is None:
+            server_round = self.server_round + 1 if (self.round_started or self.step > 0) else 1
+        if isinstance(server_round, bool) or int(server_round) != server_round or server_round < 1:
+            raise ValueError(f"server_round is Flower's 1-based round number (>= 1), got {server_round!r}.")
+        self.round = int(server_round) - 1
         self.round_started = True
         self.step = 0
         self._apply_phase()
@@ -269,17 +289,11 @@ class AlternationController:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.advance(1)
 
-    def _apply_phase(self) -> None:
-        phase = self.phase
-        self._set_trainable(self._a, "A" in phase)
-        self._set_trainable(self._b, "B" in phase)
+    def _on_dp_step(self, step: Any) -> None:
+        self.advance(1)  # every inner step, as a torch post-hook counts them
 
-    @staticmethod
-    def _plain_set_trainable(params: Sequence[nn.Parameter], trainable: bool) -> None:
-        for p in params:
-            p.requires_grad_(trainable)
-            if not trainable:
-                p.grad = None
+    def _apply_phase(self) -> None:
+        apply_phase(self.factors, self.phase, self._set_trainable)
 
     def remove(self, *, unfreeze: bool = True) -> None:
         """Detach from the optimizer (a new controller may then be attached to it); with ``unfreeze`` make both
@@ -295,8 +309,7 @@ class AlternationController:
             self._callback.controller = None
             self._callback = None
         if unfreeze:
-            self._set_trainable(self._a, True)
-            self._set_trainable(self._b, True)
+            apply_phase(self.factors, "AB", self._set_trainable)
 
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -1,20 +1,28 @@
-"""Find the LoRA factors A and B of a (PEFT) model, and build optimizer param groups from them.
+"""Find the LoRA factors A and B of a (PEFT) model, build optimizer param groups from them, and freeze them.
 
 A factor is located through ``isinstance(module, peft.tuners.lora.LoraLayer)`` and its
 ``lora_A[adapter]`` / ``lora_B[adapter]`` (``lora_embedding_A/B[adapter]`` for embeddings). Shapes
 for linear / Conv1D layers: A is ``(r, in_features)``, B is ``(out_features, r)``; ``ΔW = s·B·A``.
+
+:func:`apply_phase` is the one freeze operation of every driver (a training loop, the federated client, the HF
+Trainer), through the :class:`~peft_lalora.AlternationController`: the factors of the phase trainable, the others
+frozen by a ``set_trainable(params, trainable)`` — :func:`set_requires_grad` without DP, ``opacus_spectral``'s
+``set_trainable`` (which also drops Opacus' per-sample state, ``docs/upstream.md`` §1.4) under DP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from .config import Factor
+from .schedule import Factor, Phase
+
+#: ``set_trainable(params, trainable)``: how :func:`apply_phase` freezes and unfreezes
+SetTrainable = Callable[[Sequence[nn.Parameter], bool], None]
 
 
 @dataclass(frozen=True)
@@ -122,3 +130,23 @@ def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def set_requires_grad(params: Sequence[nn.Parameter], trainable: bool) -> None:
+    """Freeze (``False``) or unfreeze parameters between optimizer steps: ``requires_grad``, and when freezing
+    ``grad = None``, so AdamW moments and weight decay leave a frozen factor untouched (torch optimizers skip a
+    parameter without a gradient; ``docs/upstream.md`` §1.4)."""
+    for p in params:
+        p.requires_grad_(trainable)
+        if not trainable:
+            p.grad = None
+
+
+def apply_phase(
+    factors: Sequence[LoraFactor],
+    phase: Phase,
+    set_trainable: SetTrainable = set_requires_grad,
+) -> None:
+    """Make the factors of ``phase`` (``"A"``, ``"B"`` or ``"AB"``) trainable and freeze the others, A first."""
+    set_trainable([f.param for f in factors if f.factor == "A"], "A" in phase)
+    set_trainable([f.param for f in factors if f.factor == "B"], "B" in phase)

@@ -12,7 +12,8 @@ scaling and every denoiser of ``post_hooks``), at the canary's coordinate, in un
 (``C/(B·k)`` for mean reduction). Scores (``docs/math.md`` §5.5): the sum over steps (the likelihood-ratio
 test for ``sample_rate = 1``), or the per-step likelihood ratio of a subsampled canary.
 
-Attach after ``make_private`` (so the released gradient is read after the denoisers)::
+Attach after ``make_private``; they subscribe to the optimizer's :mod:`~opacus_spectral.attachment` (injection at
+``BEFORE_NOISE``, reading at ``BEFORE_INNER_STEP`` after the denoiser pipeline, whatever the order of attaching)::
 
     canaries = GradientCanaries(optimizer, 5000, module=model, seed=0)
     ...train...
@@ -26,7 +27,6 @@ accountant assumes) and distributed optimizers (each rank would inject its own c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
+from ..attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
 from ..calibration import clean_scale, world_size
 from ..installation import HANDLE_ATTR
 from ..parameters import describe_parameters
@@ -108,15 +109,16 @@ class GradientCanaries:
         self.noise_multipliers: list[float] = []  #: σ the optimizer reported at each observed step
         self._pending = False
         self._handle_at_attach = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
-        self._orig_add_noise: Callable[[], None] = dp_optimizer.add_noise
-        dp_optimizer.add_noise = self._add_noise  # type: ignore[method-assign]
-        self._hook = dp_optimizer.original_optimizer.register_step_pre_hook(self._read_released)
+        att = attachment(dp_optimizer)  # order CANARIES: the released gradient is read after the pipeline
+        self._subscriptions = [
+            att.subscribe(BEFORE_NOISE, self._add_noise, order=CANARIES),
+            att.subscribe(BEFORE_INNER_STEP, self._read_released, order=CANARIES),
+        ]
         self._removed = False
 
     # -- the mechanism ------------------------------------------------------------------------------
-    def _add_noise(self) -> None:
-        """Add ``C·e_c`` of every included canary sampled this step to ``p.summed_grad``, then Opacus' noise."""
-        opt = self.optimizer
+    def _add_noise(self, opt: DPOptimizer) -> None:
+        """Before Opacus' noise: add ``C·e_c`` of every included canary sampled this step to ``p.summed_grad``."""
         present = self.included.clone()
         if self.sample_rate < 1.0:
             present &= torch.rand(self.num_canaries, generator=self._gen) < self.sample_rate
@@ -130,17 +132,17 @@ class GradientCanaries:
                 p.summed_grad = summed = summed.contiguous()
             summed.view(-1).index_add_(0, idx, weight[pos].to(device=summed.device, dtype=summed.dtype))
         self._pending = True
-        self._orig_add_noise()
 
-    def _read_released(self, inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Inner-optimizer pre-hook, after the denoisers: the released value at every canary's coordinate."""
-        if not self._pending:
+    def _read_released(self, step: InnerStep) -> None:
+        """Before the inner step, after the denoisers: the released value at every canary's coordinate."""
+        pending, self._pending = self._pending, False
+        if not (pending and step.noised):
             return  # no noise was added (a direct inner step): nothing was released by DP-SGD
-        self._pending = False
-        if getattr(inner, HANDLE_ATTR, None) is not self._handle_at_attach:
+        if getattr(step.optimizer.original_optimizer, HANDLE_ATTR, None) is not self._handle_at_attach:
             raise RuntimeError(
                 "the denoiser pipeline on this optimizer changed after the gradient canaries were attached, so "
-                "they may read the gradient before the denoisers; attach GradientCanaries after make_private"
+                "their scores would mix the gradients two mechanisms released; attach GradientCanaries after "
+                "make_private"
             )
         unit = float(self.optimizer.max_grad_norm) * clean_scale(self.optimizer)  # one canary's signal in p.grad
         values = torch.zeros(self.num_canaries, dtype=torch.float64)
@@ -160,11 +162,8 @@ class GradientCanaries:
         if self._removed:
             return
         self._removed = True
-        self._hook.remove()
-        if self.optimizer.__dict__.get("add_noise") == self._add_noise:
-            del self.optimizer.__dict__["add_noise"]
-        else:  # something wrapped it after us: keep the chain, make our layer a pass-through
-            self._slots = []
+        for subscription in self._subscriptions:
+            subscription.remove()
 
     # -- the auditor --------------------------------------------------------------------------------
     @property
