@@ -263,7 +263,7 @@ def _run_audit(method: str, *, m: int, steps: int, mu: float) -> tuple[float, fl
         model,
         data,
         method=method,
-        sigma=steps**0.5 / mu,
+        noise_multiplier=steps**0.5 / mu,
         batch=128,
         physical=128,
         steps=steps,

@@ -330,6 +330,7 @@ def test_demo_cached_bottom_plus_top_equals_full_model() -> None:
     assert float((base_logits - lora_logits).abs().max()) > 1e-3  # the adapter is on the top of the same model
 
 
+@pytest.mark.slow
 def test_demo_smoke_tiny(tmp_path: Path) -> None:
     pytest.importorskip("opacus_spectral")
     from dp_bench.commands import demo

@@ -43,6 +43,7 @@ def evidence() -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RESULTS.glob("demo*"))}
 
 
+@pytest.mark.slow
 def test_default_run_writes_a_fresh_folder_with_three_labelled_arms(tmp_path, monkeypatch, capsys):
     before = evidence()
     monkeypatch.chdir(tmp_path)

@@ -11,6 +11,7 @@ pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
 from peft_lalora.cli import build_parser, config_from_args, main  # noqa: E402
+from peft_lalora.federated.builders import client_config  # noqa: E402
 
 TINY = ["--task", "dp_bench.task:tiny"]
 
@@ -19,7 +20,7 @@ TINY = ["--task", "dp_bench.task:tiny"]
     ("algo", "mode"), [("dp-lora", "none"), ("ffa-lora", "freeze_a"), ("rolora", "round"), ("la-lora", "step")]
 )
 def test_algorithms_are_lalora_config_modes(algo, mode):
-    from peft_lalora.federated.federation import make_peft_config
+    from peft_lalora.federated.builders import make_peft_config
 
     from peft_lalora import LALoraConfig
 
@@ -30,15 +31,15 @@ def test_algorithms_are_lalora_config_modes(algo, mode):
 
 def test_filters_map_to_post_hooks():
     cfg = config_from_args(build_parser().parse_args(["federate", "--filter", "binomial5"]))
-    assert cfg.client_config().post_hooks == [("lowpass", {"kernel": "binomial5"})]
+    assert client_config(cfg).post_hooks == [("lowpass", {"kernel": "binomial5"})]
     cfg = config_from_args(build_parser().parse_args(["federate", "--filter", "none"]))
-    assert cfg.client_config().post_hooks == []
+    assert client_config(cfg).post_hooks == []
 
 
 def test_reproducible_noise_is_an_explicit_opt_in():
     assert config_from_args(build_parser().parse_args(["federate"])).reproducible_noise is False
     cfg = config_from_args(build_parser().parse_args(["federate", "--reproducible-noise"]))
-    assert cfg.reproducible_noise is True and cfg.client_config().reproducible_noise is True
+    assert cfg.reproducible_noise is True and client_config(cfg).reproducible_noise is True
 
 
 def test_federate_smoke_two_rounds(tmp_path, capsys):
@@ -106,7 +107,7 @@ def test_every_config_field_is_a_flag_with_its_default():
     import dataclasses
 
     from peft_lalora.cli import CLI_DEFAULTS
-    from peft_lalora.federated.federation import FederationConfig
+    from peft_lalora.federated.config import FederationConfig
 
     args = build_parser().parse_args(["federate"])  # the library's defaults except CLI_DEFAULTS (docs/results.md §9)
     assert config_from_args(args) == FederationConfig(**{k: v for k, (v, _) in CLI_DEFAULTS.items()})
@@ -152,7 +153,8 @@ def _user_model_and_data(tmp_path, fmt: str):
 
 @pytest.mark.parametrize("fmt", ["csv", "jsonl", "saved"])
 def test_federate_a_users_model_and_data(tmp_path, fmt):
-    from peft_lalora.federated.federation import FederationConfig, build_partition
+    from peft_lalora.federated.builders import build_partition
+    from peft_lalora.federated.config import FederationConfig
     from peft_lalora.federated.task import build_task
 
     model_dir, data = _user_model_and_data(tmp_path, fmt)
@@ -236,9 +238,9 @@ def test_server_side_bounds_and_insecure_flag_reach_the_runner(tmp_path, monkeyp
         seen.update(kw)
         raise RuntimeError("stop here")
 
-    from peft_lalora.federated import launcher
+    from peft_lalora.federated.flower import run as flower_run
 
-    monkeypatch.setattr(launcher, "run_flower", fake_run_flower)
+    monkeypatch.setattr(flower_run, "run_flower", fake_run_flower)
     assert main(["federate", "--runner", "flower", "--out", str(tmp_path / "x.json")]) == 2
     assert seen["insecure"] is False  # secure (TLS + SuperNode auth) unless asked
     main(["federate", "--runner", "flower", "--insecure", "--out", str(tmp_path / "x.json")])

@@ -19,12 +19,13 @@ TINY = ["federate", "--task", "dp_bench.task:tiny", "--no-progress"]
 @pytest.fixture
 def no_training(monkeypatch):
     """Any attempt to build the task or run a federation fails the test."""
-    from peft_lalora.federated import launcher, simulation, task
+    from peft_lalora.federated import simulation, task
+    from peft_lalora.federated.flower import run as flower_run
 
     def started(*a, **k):
         raise AssertionError("training started before the output paths were checked")
 
-    for mod, name in ((task, "build_task"), (simulation, "run_simulation"), (launcher, "run_flower")):
+    for mod, name in ((task, "build_task"), (simulation, "run_simulation"), (flower_run, "run_flower")):
         monkeypatch.setattr(mod, name, started)
 
 

@@ -15,14 +15,15 @@ pytest.importorskip("flwr_datasets")
 
 from opacus.accountants import RDPAccountant  # noqa: E402
 from peft_lalora.federated import client as client_mod  # noqa: E402
-from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWarning  # noqa: E402
-from peft_lalora.federated.federation import (  # noqa: E402
-    FederationConfig,
+from peft_lalora.federated.builders import (  # noqa: E402
     build_client,
     build_evaluator,
     build_partition,
     build_task,
+    client_config,
 )
+from peft_lalora.federated.client import ReplayedRoundError, ReproducibleNoiseWarning  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.ledger import PrivacyLedger, epsilon_from_history, normalize_history  # noqa: E402
 
 DELTA = 1e-5
@@ -256,9 +257,9 @@ def test_config_validation_and_flat_round_trip():
         ClientConfig(noise_multiplier=1.0, secure_mode=True, reproducible_noise=True)
     assert ClientConfig(noise_multiplier=1.0).reproducible_noise is False
     assert FederationConfig().reproducible_noise is False
-    assert FederationConfig().client_config().reproducible_noise is False
+    assert client_config(FederationConfig()).reproducible_noise is False
     assert FederationConfig().task == "text"  # the user's own model and data by default
-    assert FederationConfig.from_dict({"reproducible-noise": "true"}).client_config().reproducible_noise is True
+    assert client_config(FederationConfig.from_dict({"reproducible-noise": "true"})).reproducible_noise is True
     cfg = FederationConfig.from_dict(
         {"num-clients": "3", "alpha": 1, "weighted": "false", "result-path": "/x"}, extra_keys=["result-path"]
     )
@@ -272,7 +273,7 @@ def test_config_validation_and_flat_round_trip():
     cfg_group = FederationConfig(task=TINY, partition="group")
     with pytest.raises(ValueError, match="no group column"):
         build_partition(cfg_group, build_task(cfg_group))
-    assert cfg.client_config().planned_steps == cfg.rounds * cfg.local_steps
+    assert client_config(cfg).planned_steps == cfg.rounds * cfg.local_steps
 
 
 def test_a_client_without_noise_is_refused_unless_opted_in():
@@ -282,3 +283,27 @@ def test_a_client_without_noise_is_refused_unless_opted_in():
     with pytest.raises(ValueError, match="allow_non_private"):
         ClientConfig(noise_multiplier=0.0)
     assert ClientConfig(noise_multiplier=0.0, allow_non_private=True).allow_non_private
+
+
+def test_fit_takes_flower_server_round_and_the_deprecated_round_index_means_the_same():
+    cfg, task, part, g = _setup(algo="rolora", local_steps=1, reproducible_noise=True)
+    with pytest.warns(ReproducibleNoiseWarning):
+        new, old = build_client(cfg, task, part, 0), build_client(cfg, task, part, 0)
+    u_new = new.fit(g, server_round=2)
+    with pytest.warns(DeprecationWarning, match="round_index=.*deprecated.*server_round"):
+        u_old = old.fit(g, round_index=2)
+    assert u_new.round == u_old.round == 2 and _same(u_new.state, u_old.state)
+    assert new.controller.round == old.controller.round == 1  # schedule round = server_round - 1 (RoLoRA: A)
+    with pytest.raises(TypeError, match="not both"):
+        new.fit(g, 3, round_index=3)
+
+
+def test_privacy_parameters_calibrate_with_the_one_noise_multiplier_function():
+    from opacus.accountants.utils import get_noise_multiplier
+    from opacus_spectral.noise_multiplier import noise_multiplier_for
+
+    cc = client_mod.ClientConfig(target_epsilon=2.0, planned_steps=30, batch_size=8, delta=DELTA, accountant="rdp")
+    noise_multiplier, q = client_mod.privacy_parameters(cc, 60)
+    assert q == 1 / 8
+    expected = dict(target_epsilon=2.0, target_delta=DELTA, sample_rate=q, steps=30, accountant="rdp")
+    assert noise_multiplier == noise_multiplier_for(**expected) == get_noise_multiplier(**expected)

@@ -27,10 +27,11 @@ pytest.importorskip("cryptography")
 from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from peft_lalora.federated import launcher  # noqa: E402
-from peft_lalora.federated.certificates import TLSConfig, generate_tls, write_private  # noqa: E402
-from peft_lalora.federated.launcher import INSECURE_WARNING, LocalFederation, free_port  # noqa: E402
-from peft_lalora.federated.node_keys import generate_node_keys  # noqa: E402
+from peft_lalora.federated.flower import run as flower_run  # noqa: E402
+from peft_lalora.federated.flower.certificates import TLSConfig, generate_tls, write_private  # noqa: E402
+from peft_lalora.federated.flower.launcher import INSECURE_WARNING, LocalFederation  # noqa: E402
+from peft_lalora.federated.flower.node_keys import generate_node_keys  # noqa: E402
+from peft_lalora.federated.flower.processes import free_port  # noqa: E402
 
 
 def _owner_only(path) -> bool:
@@ -129,18 +130,18 @@ def test_run_flower_forwards_insecure_and_warns(tmp_path, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(LocalFederation, "start", fake_start)
-    from peft_lalora.federated.federation import FederationConfig
+    from peft_lalora.federated.config import FederationConfig
 
     # run_flower computes the plan from the shared source first (the operator's process): a buildable task
     small = dict(task="dp_bench.task:tiny", num_clients=2, n_train=32, n_test=16, alpha=1.0)
 
     with pytest.warns(RuntimeWarning, match="unencrypted"), pytest.raises(Stop):
-        launcher.run_flower(FederationConfig(**small), workdir=tmp_path, insecure=True)
+        flower_run.run_flower(FederationConfig(**small), workdir=tmp_path, insecure=True)
     assert seen == {"tls": None}
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(Stop):
-            launcher.run_flower(FederationConfig(**small), workdir=tmp_path / "s")
+            flower_run.run_flower(FederationConfig(**small), workdir=tmp_path / "s")
     assert seen["tls"].ca_cert == (tmp_path / "s" / "credentials" / "ca.pem").resolve()
 
 
@@ -278,8 +279,8 @@ def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
     pytest.importorskip("opacus_spectral")
     pytest.importorskip("flwr_datasets")
     from peft_lalora.federated.client import REPRODUCIBLE_NOISE_NOTE
-    from peft_lalora.federated.federation import FederationConfig
-    from peft_lalora.federated.launcher import run_flower
+    from peft_lalora.federated.config import FederationConfig
+    from peft_lalora.federated.flower import run_flower
     from peft_lalora.federated.simulation import run_simulation
     from test_fed_runners import CFG, _assert_states_equal, _marked_processes, _replay
 

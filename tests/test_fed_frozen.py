@@ -15,8 +15,8 @@ from dp_bench.data import tiny_bert  # noqa: E402
 from dp_bench.frozen import BertTop, bert_attention_mask, encode_bottom, split_error  # noqa: E402
 from peft_lalora.cli import main  # noqa: E402
 from peft_lalora.federated import FederationConfig, run_simulation  # noqa: E402
+from peft_lalora.federated.builders import build_evaluator, build_task  # noqa: E402
 from peft_lalora.federated.client import NamedInputsLoss  # noqa: E402
-from peft_lalora.federated.federation import build_evaluator, build_task  # noqa: E402
 
 FROZEN1 = '{"frozen_layers": 1}'
 CFG = dict(

@@ -189,7 +189,7 @@ def test_saved_dataset_with_a_missing_text_is_named_by_record(model_dir, tmp_pat
 
 
 def test_valid_csv_with_quotes_and_blank_lines_still_loads(model_dir, tmp_path):
-    from peft_lalora.federated.federation import FederationConfig
+    from peft_lalora.federated.config import FederationConfig
     from peft_lalora.federated.task import build_task
 
     rows = [f'"{t}, really",{y}' for t, y in _good_rows()] + ["", '"the ""plot"" was\nbad",neg']
@@ -238,7 +238,7 @@ def test_cut_keeps_the_tokens_of_the_full_text(kind, model_dir):
 def test_a_huge_cell_is_not_tokenized_whole(model_dir, tmp_path):
     """One 20 MB review: the task tokenizes it to the ids of its first words, fast (tokenizing it whole is the
     slow part without the cut)."""
-    from peft_lalora.federated.federation import FederationConfig
+    from peft_lalora.federated.config import FederationConfig
     from peft_lalora.federated.task import build_task
     from transformers import AutoTokenizer
 

@@ -142,7 +142,8 @@ def test_bad_arguments():
 def test_minilm_rt_task_partitions_by_movie():
     """The real-data task (packaged Rotten Tomatoes + MiniLM tokenizer): every movie on one client."""
     from dp_bench.data import DataUnavailableError
-    from peft_lalora.federated.federation import FederationConfig, build_partition, build_task
+    from peft_lalora.federated.builders import build_partition, build_task
+    from peft_lalora.federated.config import FederationConfig
 
     cfg = FederationConfig(
         task="dp_bench.task:minilm_rt", partition="group", num_clients=4, n_train=300, n_test=20, seq_len=32

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.federated.federation import FederationConfig  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.ledger import InadmissibleReport, PrivacyLedger, epsilon_from_history  # noqa: E402
 from peft_lalora.federated.replies import NONPRIVATE_METRICS, REPLY_METRICS  # noqa: E402
 
@@ -70,7 +70,7 @@ class _Loopback:
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout=None):
-        from peft_lalora.federated import flower_app
+        from peft_lalora.federated.flower import app as flower_app
 
         out = []
         for m in messages:
@@ -89,7 +89,7 @@ def _run_server_app(tmp_path, monkeypatch, cfg):
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
     from peft_lalora.federated.plan import planned_config
     from peft_lalora.federated.task import build_task
 
@@ -155,7 +155,7 @@ def test_server_app_without_a_plan_is_refused(tmp_path, monkeypatch):
 
 def test_the_plan_can_name_which_node_trains_which_partition():
     pytest.importorskip("flwr")
-    from peft_lalora.federated.flower_app import assign_partitions
+    from peft_lalora.federated.flower.app import assign_partitions
 
     cfg = FederationConfig(**{**CFG, "partition_nodes": "905,17,342"})
     assert assign_partitions([17, 342, 905, 1000], 3, cfg.planned_nodes()) == {0: 905, 1: 17, 2: 342}
@@ -231,7 +231,7 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
     from peft_lalora.federated.server import FederationServer
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -259,7 +259,7 @@ def strategy(monkeypatch):
 def _reply(sent_msg, state, pid, sigma, q, steps):
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-    metrics = MetricRecord({"partition-id": pid, "dp-sigma": [sigma], "dp-q": [q], "dp-steps": [steps]})
+    metrics = MetricRecord({"partition-id": pid, "dp-noise-multiplier": [sigma], "dp-q": [q], "dp-steps": [steps]})
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": metrics}), reply_to=sent_msg)
 
 
@@ -346,7 +346,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch):
     shared-source node takes its partition of the run's data. Both must match the plan."""
     pytest.importorskip("flwr")
     from flwr.app import Context, RecordDict
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
     from test_fed_cli import _user_model_and_data
 
     model_dir, csv = _user_model_and_data(tmp_path, "csv")

@@ -18,7 +18,7 @@ pytest.importorskip("flwr_datasets")
 
 from peft_lalora.federated import simulation as simulation_mod  # noqa: E402
 from peft_lalora.federated.aggregate import AggregationError, fedavg  # noqa: E402
-from peft_lalora.federated.federation import FederationConfig  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.server import FederationServer  # noqa: E402
 from peft_lalora.federated.update_bound import adam_step_bound, honest_update_norm  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_the_adam_bound_is_the_exact_supremum_of_one_step_and_holds_for_five():
 
 @pytest.fixture(scope="module")
 def tiny_task():
-    from peft_lalora.federated.federation import build_task
+    from peft_lalora.federated.builders import build_task
 
     return build_task(FederationConfig(**ROBUST))
 

@@ -16,14 +16,9 @@ pytest.importorskip("flwr_datasets")
 
 from peft_lalora.federated import simulation as simulation_mod  # noqa: E402
 from peft_lalora.federated.aggregate import fedavg  # noqa: E402
+from peft_lalora.federated.builders import build_client, build_evaluator, build_partition, build_task  # noqa: E402
 from peft_lalora.federated.client import REPRODUCIBLE_NOISE_NOTE, ReplayedRoundError  # noqa: E402
-from peft_lalora.federated.federation import (  # noqa: E402
-    FederationConfig,
-    build_client,
-    build_evaluator,
-    build_partition,
-    build_task,
-)
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.plan import planned_config  # noqa: E402
 from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 
@@ -176,7 +171,7 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
 
     # what a real ServerApp process learns from its SuperLink before running the app
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -261,7 +256,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
     from peft_lalora.federated.server import FederationServer
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -279,7 +274,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
             "num-examples": 10,
             "train-loss": 0.5,
             "epsilon": 1.0,
-            "dp-sigma": [1.0],
+            "dp-noise-multiplier": [1.0],
             "dp-q": [0.1],
             "dp-steps": [steps],
         }
@@ -313,7 +308,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
 def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     pytest.importorskip("flwr")
     from flwr.common.config import validate_config
-    from peft_lalora.federated.launcher import APP_MODULE, write_flower_app
+    from peft_lalora.federated.flower.app_config import APP_MODULE, write_flower_app
 
     try:
         import tomllib
@@ -329,4 +324,4 @@ def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     assert FederationConfig.from_dict(run_config, extra_keys=["result-path"]) == cfg
     components = pyproject["tool"]["flwr"]["app"]["components"]
     assert components == {"serverapp": f"{APP_MODULE}:server_app", "clientapp": f"{APP_MODULE}:client_app"}
-    assert APP_MODULE == "peft_lalora.federated.flower_app" and not list(app.glob("*.py"))  # imported, not copied
+    assert APP_MODULE == "peft_lalora.federated.flower.app" and not list(app.glob("*.py"))  # imported, not copied

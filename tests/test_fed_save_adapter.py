@@ -16,7 +16,8 @@ pytest.importorskip("flwr_datasets")
 from peft import PeftModel  # noqa: E402
 from peft_lalora.cli import main  # noqa: E402
 from peft_lalora.federated.adapter_state import load_adapter_state, trainable_parameters  # noqa: E402
-from peft_lalora.federated.federation import FederationConfig, make_peft_model  # noqa: E402
+from peft_lalora.federated.builders import make_peft_model  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 from peft_lalora.federated.task import build_task  # noqa: E402
 
@@ -98,7 +99,7 @@ def test_simulation_saves_an_adapter_with_identical_logits(tmp_path):
 
 
 def test_flower_runner_forwards_save_adapter_and_keep_workdir(tmp_path, monkeypatch):
-    from peft_lalora.federated import launcher
+    from peft_lalora.federated.flower import run as flower_run
 
     seen = {}
 
@@ -106,7 +107,7 @@ def test_flower_runner_forwards_save_adapter_and_keep_workdir(tmp_path, monkeypa
         seen.update(kw)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(launcher, "run_flower", fake_run_flower)
+    monkeypatch.setattr(flower_run, "run_flower", fake_run_flower)
     argv = ["federate", "--task", "dp_bench.task:tiny", "--runner", "flower", "--out", str(tmp_path / "x.json")]
     assert main([*argv, "--save-adapter", str(tmp_path / "a"), "--keep-workdir"]) == 2
     assert seen["save_adapter"] == tmp_path / "a" and seen["keep_workdir"] is True
@@ -119,8 +120,8 @@ def test_flower_run_saves_the_adapter_and_removes_its_private_workdir(tmp_path, 
     """One small real federation (test_fed_runners.CFG, one round): the adapter is saved, the temp folder with
     the CA and node keys is gone afterwards, and no process is left."""
     pytest.importorskip("flwr")
-    from peft_lalora.federated import flower_run
-    from peft_lalora.federated.launcher import run_flower
+    from peft_lalora.federated.flower import run as flower_run
+    from peft_lalora.federated.flower import run_flower
     from test_fed_runners import CFG, _marked_processes
 
     made = []

@@ -15,7 +15,7 @@ pytest.importorskip("flwr_datasets")
 
 from peft_lalora.federated import simulation as simulation_mod  # noqa: E402
 from peft_lalora.federated.aggregate import AggregationError, fedavg  # noqa: E402
-from peft_lalora.federated.federation import FederationConfig  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.ledger import PrivacyLedger, epsilon_from_history  # noqa: E402
 from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 
@@ -35,7 +35,7 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -62,7 +62,7 @@ def _reply(sent_msg, state, *, pid, n, steps=3, sigma=1.0, q=0.1):
             "num-examples": n,
             "train-loss": 0.5,
             "epsilon": 0.1,
-            "dp-sigma": [sigma],
+            "dp-noise-multiplier": [sigma],
             "dp-q": [q],
             "dp-steps": [steps],
         }
@@ -121,7 +121,7 @@ def test_a_node_configured_for_another_partition_refuses_the_assignment(monkeypa
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated import flower_app
+    from peft_lalora.federated.flower import app as flower_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)

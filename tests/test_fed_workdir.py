@@ -12,10 +12,10 @@ pytest.importorskip("cryptography")
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
-from peft_lalora.federated import flower_run  # noqa: E402
-from peft_lalora.federated.federation import FederationConfig  # noqa: E402
-from peft_lalora.federated.launcher import LocalFederation, run_flower  # noqa: E402
-from peft_lalora.federated.workdir import new_workdir, private_dir  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
+from peft_lalora.federated.flower import LocalFederation, run_flower  # noqa: E402
+from peft_lalora.federated.flower import run as flower_run  # noqa: E402
+from peft_lalora.federated.flower.workdir import new_workdir, private_dir  # noqa: E402
 
 SMALL = dict(task="dp_bench.task:tiny", num_clients=2, n_train=32, n_test=16, alpha=1.0)
 
@@ -63,7 +63,7 @@ def test_federation_folders_are_owner_only_and_keys_0600(tmp_path, monkeypatch):
     for sub in ("flwr_home", "logs", "credentials"):
         assert _mode(tmp_path / "w" / sub) == 0o700, sub
     assert _mode(fed.tls.server_key) == 0o600
-    from peft_lalora.federated.node_keys import generate_node_keys
+    from peft_lalora.federated.flower.node_keys import generate_node_keys
 
     keys = generate_node_keys(fed.credentials_dir, "supernode-0")
     assert _mode(keys.private_key) == 0o600 and _mode(fed.credentials_dir) == 0o700

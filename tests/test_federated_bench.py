@@ -232,6 +232,7 @@ def test_tuning_reads_the_validation_split_only(tmp_path: Path, monkeypatch: pyt
         federated.main(["--model", "tiny", "--seeds", "0", "100", "--out", str(out)])
 
 
+@pytest.mark.slow
 def test_federated_smoke_records_resume_and_replot(tmp_path: Path) -> None:
     out = tmp_path / "fed.json"
     argv = [

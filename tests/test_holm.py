@@ -86,6 +86,7 @@ def test_federated_replot_prints_the_old_tables_plus_holm(tmp_path: Path, capsys
     assert "− LA-LoRA w/o filter (n=5) | +3.4 [+0.8, +6.1] | 0.045 | +4.2 [+2.6, +5.9] | 0.0089 |" in after
 
 
+@pytest.mark.slow
 def test_pooled_holm_over_the_section_counts_every_grid() -> None:
     """§7.2–§7.6: 70 accuracy comparisons; §7.6's `ema`+`rmt` cell passes Holm over them, not Bonferroni."""
     names = ("fmnist_b", "fmnist_b1024", "fmnist_b_adamw", "fmnist_a")

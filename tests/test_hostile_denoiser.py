@@ -134,6 +134,7 @@ for policy in ("raise", "fallback"):
 """
 
 
+@pytest.mark.slow
 def test_freed_storage_goes_through_the_policy_instead_of_crashing_the_interpreter():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True, env=env, timeout=300)

@@ -158,6 +158,7 @@ def test_export_bad_input(tmp_path) -> None:
         export_as_lora(model, tmp_path / "out", adapter_name="nope")
 
 
+@pytest.mark.slow
 def test_fresh_processes_load_saved_and_exported_adapters(tmp_path) -> None:
     """A new interpreter that imports peft_lalora loads the LALoRA adapter; plain PEFT (no peft_lalora)
     loads the exported one and fails clearly without the import."""

@@ -21,6 +21,7 @@ SOURCES = [
 ]
 
 
+@pytest.mark.slow
 def test_importing_the_libraries_pulls_in_neither_flower_nor_datasets():
     code = (
         "import sys, peft_lalora, peft_lalora.federated, opacus_spectral\n"

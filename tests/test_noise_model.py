@@ -137,14 +137,17 @@ def _spiked(m=64, n=96, rank=2, strength=3.0, s=0.05, seed=0):
 def test_norm_correction_policies():
     clean, y, s = _spiked()
     m, n = y.shape
-    noisy = rmt_denoise(y, s, norm_correction="noisy", compute_dtype=torch.float64).tensor
+    kappa = {"gate": "kappa", "compute_dtype": torch.float64}
+    noisy = rmt_denoise(y, s, norm_correction="noisy", **kappa).tensor
     assert float(noisy.norm()) == pytest.approx(float(y.norm()), rel=1e-9)
-    est = rmt_denoise(y, s, norm_correction="clean_estimate", compute_dtype=torch.float64).tensor
+    est = rmt_denoise(y, s, norm_correction="clean_estimate", **kappa).tensor
     assert float(est.norm()) == pytest.approx(math.sqrt(float(y.norm()) ** 2 - m * n * s * s), rel=1e-9)
     assert float(est.norm()) == pytest.approx(float(clean.norm()), rel=0.05)  # the estimate is unbiased
-    none = rmt_denoise(y, s, norm_correction=False, compute_dtype=torch.float64).tensor
+    none = rmt_denoise(y, s, norm_correction=False, **kappa).tensor
     assert float(none.norm()) < float(est.norm())
-    assert torch.equal(rmt_denoise(y, s, norm_correction=True).tensor, rmt_denoise(y, s).tensor)
+    noisy = rmt_denoise(y, s, norm_correction="noisy").tensor
+    assert torch.equal(rmt_denoise(y, s, norm_correction=True).tensor, noisy)
+    assert torch.equal(rmt_denoise(y, s).tensor, rmt_denoise(y, s, norm_correction="clean_estimate").tensor)
     with pytest.raises(ValueError, match="norm_correction"):
         RMTDenoiser(norm_correction="clean")
 
@@ -152,7 +155,7 @@ def test_norm_correction_policies():
 @pytest.mark.parametrize("method", ["gram", "truncated", "full"])
 def test_residual_keeps_the_sub_threshold_part_scaled(method):
     clean, y, s = _spiked(m=48, n=200)
-    kw = dict(norm_correction="none", compute_dtype=torch.float64, method=method)
+    kw = dict(gate="kappa", norm_correction="none", compute_dtype=torch.float64, method=method)
     paper = rmt_denoise(y, s, residual=0.0, **kw).tensor
     deflate = rmt_denoise(y, s, residual=1.0, **kw).tensor
     half = rmt_denoise(y, s, residual=0.5, **kw).tensor

@@ -1,4 +1,4 @@
-"""RMTDenoiser on NoisyGradient records: selection, shapes, grouping, sigma, dtypes, diagnostics."""
+"""RMTDenoiser on NoisyGradient records: selection, shapes, grouping, sigma, dtypes, stats."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 
 import pytest
 import torch
+from opacus_spectral.rmt import PAPER_SETTING
 from opacus_spectral.rmt import RMTDenoiser as _RMTDenoiser
+from opacus_spectral.rmt import denoiser as rmt_mod
 
 from opacus_spectral import NoisyGradient
-from opacus_spectral import rmt as rmt_mod
 from opacus_spectral import spectral as S
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
@@ -71,7 +72,7 @@ def run(d: _RMTDenoiser, recs: list[NoisyGradient]) -> tuple[list[torch.Tensor],
 
 def expected(t: torch.Tensor, sigma: float, **kw: object) -> torch.Tensor:
     mat = t if t.dim() == 2 else t.reshape(t.shape[0], -1)
-    return S.rmt_denoise(mat, sigma, **kw).tensor.reshape(t.shape)  # type: ignore[arg-type]
+    return S.rmt_denoise(mat, sigma, **{**PAPER_SETTING, **kw}).tensor.reshape(t.shape)  # type: ignore[arg-type]
 
 
 def test_acts_on_every_matrix_role_and_shape() -> None:
@@ -97,8 +98,8 @@ def test_acts_on_every_matrix_role_and_shape() -> None:
         for o, t0 in zip(out, before, strict=True):
             assert o.shape == t0.shape and o.dtype == t0.dtype
             torch.testing.assert_close(o, expected(t0, s), rtol=0, atol=0)
-    assert d.diagnostics["matrices"] == 5 and int(d.diagnostics["gated"]) == 5
-    assert int(d.diagnostics["nonfinite"]) == 0
+    assert d.stats["matrices"] == 5 and int(d.stats["gated"]) == 5
+    assert int(d.stats["nonfinite"]) == 0
 
 
 def test_vectors_empty_and_unselected_untouched() -> None:
@@ -113,7 +114,7 @@ def test_vectors_empty_and_unselected_untouched() -> None:
     ]
     d = RMTDenoiser()
     assert run(d, recs)[1] == [False] * len(recs)
-    assert d.diagnostics["matrices"] == 0
+    assert d.stats["matrices"] == 0
     # the embedding role can be opted in
     assert run(RMTDenoiser(roles=("embedding",)), recs)[1] == [False, False, False, False, True, False]
 
@@ -143,7 +144,7 @@ def test_sigma_comes_from_record_only() -> None:
     d = RMTDenoiser()
     assert run(d, [rec("w", "weight", t.clone(), sigma=0.0)])[1] == [False]  # no noise → unchanged
     assert run(d, [rec("w", "weight", t.clone(), sigma=1.0)])[1] == [False]  # claimed noise 10×: inside the bulk
-    assert int(d.diagnostics["gated"]) == 0
+    assert int(d.stats["gated"]) == 0
     got = run(d, [rec("w", "weight", t.clone(), sigma=0.1)])[0][0]
     assert torch.equal(got, expected(t, 0.1))
     for bad in (-0.1, float("nan"), float("inf")):
@@ -200,7 +201,7 @@ def test_nonfinite_counted_and_untouched() -> None:
     bad[2, 3] = float("nan")
     d = RMTDenoiser()
     _, changed = run(d, [rec("good", "weight", t), rec("bad", "weight", bad)])
-    assert int(d.diagnostics["nonfinite"]) == 1 and int(d.diagnostics["gated"]) == 1
+    assert int(d.stats["nonfinite"]) == 1 and int(d.stats["gated"]) == 1
     assert changed == [True, False]
 
 
@@ -208,9 +209,9 @@ def test_tracy_widom_gate_option() -> None:
     s = 0.1
     t = spiked_matrix(8, 300, s, 5)
     d = RMTDenoiser(gate="tracy_widom", false_alarm=1e-3)
-    ref = S.rmt_denoise(t, s, gate="tracy_widom", false_alarm=1e-3).tensor
+    ref = S.rmt_denoise(t, s, gate="tracy_widom", false_alarm=1e-3, norm_correction="noisy").tensor
     (out,), _ = run(d, [rec("q.lora_A", "lora_A", t, sigma=s)])
-    assert torch.equal(out, ref) and int(d.diagnostics["gated"]) == 1
+    assert torch.equal(out, ref) and int(d.stats["gated"]) == 1
     with pytest.raises(ValueError):
         RMTDenoiser(gate="tw")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -232,18 +233,18 @@ def test_norm_correction_switch_and_float64() -> None:
     torch.testing.assert_close(f64, on, rtol=1e-4, atol=1e-6)
 
 
-def test_diagnostics_entropy_and_norms() -> None:
+def test_per_matrix_stats_entropy_and_norms() -> None:
     s = 0.1
     t = spiked_matrix(40, 64, s, 8)
     noise = (0.1 * torch.randn(40, 64, generator=torch.Generator().manual_seed(1))).to(DEVICE)
-    d = RMTDenoiser(diagnostics=True)
+    d = RMTDenoiser(per_matrix_stats=True)
     d([rec("sig", "weight", t.clone()), rec("noise", "weight", noise)])
-    pm = d.diagnostics["per_matrix"]
+    pm = d.stats["per_matrix"]
     assert bool(pm["sig"]["gated"]) and not bool(pm["noise"]["gated"])
     assert float(pm["sig"]["entropy_after"]) < 0.1 < float(pm["sig"]["entropy_before"])  # rank-1 after
     assert float(pm["noise"]["entropy_after"]) == pytest.approx(float(pm["noise"]["entropy_before"]))
     assert float(pm["sig"]["norm_after"]) == pytest.approx(float(pm["sig"]["norm_before"]), rel=1e-5)
-    assert "per_matrix" not in RMTDenoiser().__dict__.get("diagnostics", {})
+    assert "per_matrix" not in RMTDenoiser().stats
 
 
 def test_deterministic_and_truncated_path() -> None:
@@ -269,7 +270,7 @@ def test_deterministic_and_truncated_path() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"gate": "tracy_widom", "false_alarm": 0.01}, {"method": "truncated", "diagnostics": True}]
+    "kwargs", [{}, {"gate": "tracy_widom", "false_alarm": 0.01}, {"method": "truncated", "per_matrix_stats": True}]
 )
 def test_rmt_conformance_kit(kwargs: dict[str, object]) -> None:
     from opacus_spectral.testing import check_denoiser

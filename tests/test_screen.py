@@ -10,12 +10,19 @@ import os
 
 import pytest
 import torch
+from opacus_spectral.rmt import PAPER_SETTING
 
 from opacus_spectral import screen as K
 from opacus_spectral import spectral as S
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 F64 = torch.float64
+
+
+def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> S.DenoiseResult:
+    """``rmt_denoise`` in paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin
+    paper A's formulas; the defaults are ``RMTSettings``'s (``tests/test_rmt_settings.py``)."""
+    return S.rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
 
 
 def noise_with_spikes(
@@ -232,8 +239,8 @@ def test_krylov_screen_gate_is_exact_near_the_threshold(rel_gap: float) -> None:
     g = noise_with_spikes(4, 130, 180, [], seed=21)
     top = torch.linalg.svdvals(g)[:, 0]
     sig = top / ((1 + rel_gap) * 1.02 * (math.sqrt(130) + math.sqrt(180)))
-    full = S.rmt_denoise(g, sig, method="full", compute_dtype=F64)
-    kry = S.rmt_denoise(g, sig, method="truncated", screen="krylov", compute_dtype=F64)
+    full = paper_denoise(g, sig, method="full", compute_dtype=F64)
+    kry = paper_denoise(g, sig, method="truncated", screen="krylov", compute_dtype=F64)
     assert full.gated.tolist() == [rel_gap > 0] * 4
     assert torch.equal(kry.gated, full.gated)
     assert kry.work is not None
@@ -262,8 +269,8 @@ def test_screens_equal_the_full_svd_on_spiked_and_pure_noise(screen: str, dtype:
             * s
         )
         g = g.to(dtype)
-        full = S.rmt_denoise(g.double(), s, method="full", compute_dtype=F64)
-        got = S.rmt_denoise(g, s, method="truncated", screen=screen)
+        full = paper_denoise(g.double(), s, method="full", compute_dtype=F64)
+        got = paper_denoise(g, s, method="truncated", screen=screen)
         assert torch.equal(got.gated, full.gated) and got.gated.tolist() == [False, True, True]
         assert torch.equal(got.tensor[0], g[0])  # shut: bitwise unchanged
         err = ((got.tensor.double() - full.tensor).flatten(1).norm(dim=1) / full.tensor.flatten(1).norm(dim=1)).max()
@@ -275,9 +282,9 @@ def test_inplace_projection_writes_into_the_input_and_keeps_residual_options() -
     s = 0.1
     g = noise_with_spikes(2, 100, 140, [4 * (100 * 140) ** 0.25], seed=12) * s
     for kw in ({}, {"residual": 0.5}, {"residual": "james_stein"}, {"norm_correction": "clean_estimate"}):
-        ref = S.rmt_denoise(g, s, method="full", compute_dtype=F64, **kw).tensor  # type: ignore[arg-type]
+        ref = paper_denoise(g, s, method="full", compute_dtype=F64, **kw).tensor  # type: ignore[arg-type]
         buf = g.clone()
         ptr = buf.data_ptr()
-        res = S.rmt_denoise(buf, s, method="truncated", compute_dtype=F64, inplace=True, **kw)  # type: ignore[arg-type]
+        res = paper_denoise(buf, s, method="truncated", compute_dtype=F64, inplace=True, **kw)  # type: ignore[arg-type]
         assert res.tensor.data_ptr() == ptr and torch.equal(buf, res.tensor)
         assert float((buf - ref).norm() / ref.norm()) < 1e-8

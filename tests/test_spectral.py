@@ -12,12 +12,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opacus_spectral.rmt import PAPER_SETTING
 
 from opacus_spectral import spectral as S
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 F64 = torch.float64
 HYP = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> S.DenoiseResult:
+    """``rmt_denoise`` in paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin
+    paper A's formulas; the defaults are ``RMTSettings``'s (``tests/test_rmt_settings.py``)."""
+    return S.rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
 
 
 def gavish_donoho(obs: torch.Tensor, s: float, m: int, n: int) -> torch.Tensor:
@@ -160,14 +167,14 @@ def test_tracy_widom_gate_false_alarm_rate_on_thin_pure_noise() -> None:
     """768×8 pure noise, 400 draws: requested 10 % → observed near it; κ = 1.02 would give ~1 %."""
     gen = torch.Generator().manual_seed(1234)
     z = torch.randn(400, 768, 8, generator=gen).to(DEVICE)
-    tw = S.rmt_denoise(z, 1.0, gate="tracy_widom", false_alarm=0.10)
-    ma = S.rmt_denoise(z, 1.0, gate="tracy_widom", false_alarm=0.10, tw_centering="ma")
-    kap = S.rmt_denoise(z, 1.0, gate="kappa", kappa=1.02)
+    tw = paper_denoise(z, 1.0, gate="tracy_widom", false_alarm=0.10)
+    ma = paper_denoise(z, 1.0, gate="tracy_widom", false_alarm=0.10, tw_centering="ma")
+    kap = paper_denoise(z, 1.0, gate="kappa", kappa=1.02)
     rate_tw, rate_ma, rate_k = (r.gated.double().mean().item() for r in (tw, ma, kap))
     assert 0.04 <= rate_tw <= 0.14, rate_tw  # Johnstone: conservative on thin shapes (~7 %)
     assert 0.06 <= rate_ma <= 0.14, rate_ma  # Ma (2012): closer (~9 %)
     assert rate_k < 0.03, rate_k  # the κ gate's rate is far outside the TW band
-    strict = S.rmt_denoise(z, 1.0, gate="tracy_widom", false_alarm=1e-3)
+    strict = paper_denoise(z, 1.0, gate="tracy_widom", false_alarm=1e-3)
     assert strict.gated.sum().item() <= 3
 
 
@@ -189,18 +196,18 @@ def test_paths_equal_closed_form_oracle(shape: tuple[int, int], method: str) -> 
         if key not in _ORACLE:  # the float64 per-matrix oracle is the slow part: once per case
             _ORACLE[key] = (oracle_denoise(g, s), oracle_denoise(g, s, norm_correction=False))
         ref, ref_raw = _ORACLE[key]
-        res = S.rmt_denoise(g, s, method=method, compute_dtype=F64)
+        res = paper_denoise(g, s, method=method, compute_dtype=F64)
         assert res.gated.all()
         assert res.tensor.dtype == F64
         assert rel(res.tensor, ref) < 1e-6
-        raw = S.rmt_denoise(g, s, method=method, compute_dtype=F64, norm_correction=False)
+        raw = paper_denoise(g, s, method=method, compute_dtype=F64, norm_correction=False)
         assert rel(raw.tensor, ref_raw) < 1e-6
 
 
 @pytest.mark.parametrize("method", ["gram", "truncated", "full"])
 def test_float32_compute_close_to_oracle(method: str) -> None:
     _, g = spiked(4, 96, 160, 2, 3.0, 0.05, seed=3)
-    res = S.rmt_denoise(g.float(), 0.05, method=method)
+    res = paper_denoise(g.float(), 0.05, method=method)
     assert res.tensor.dtype == torch.float32
     assert rel(res.tensor, oracle_denoise(g, 0.05)) < 2e-4
 
@@ -208,20 +215,20 @@ def test_float32_compute_close_to_oracle(method: str) -> None:
 def test_truncated_path_grows_block_and_falls_back() -> None:
     # 12 spikes > oversample (4): the block must grow; still equal to the oracle
     _, g = spiked(2, 150, 260, 12, 3.0, 0.02, seed=5)
-    res = S.rmt_denoise(g, 0.02, method="truncated", compute_dtype=F64, oversample=4)
+    res = paper_denoise(g, 0.02, method="truncated", compute_dtype=F64, oversample=4)
     assert rel(res.tensor, oracle_denoise(g, 0.02)) < 1e-6
     # 40 spikes on a 70-row matrix: more than half the small side → full fallback, still exact
     _, g2 = spiked(2, 70, 90, 40, 3.0, 0.02, seed=6)
-    res2 = S.rmt_denoise(g2, 0.02, method="truncated", compute_dtype=F64, oversample=8)
+    res2 = paper_denoise(g2, 0.02, method="truncated", compute_dtype=F64, oversample=8)
     assert rel(res2.tensor, oracle_denoise(g2, 0.02)) < 1e-6
 
 
 def test_truncated_gate_first_skips_pure_noise_without_copy() -> None:
     gen = torch.Generator().manual_seed(0)
     g = (0.01 * torch.randn(6, 200, 200, generator=gen)).to(DEVICE)
-    res = S.rmt_denoise(g, 0.01, method="truncated")
+    res = paper_denoise(g, 0.01, method="truncated")
     assert res.tensor is g and not res.gated.any() and (res.top == 0).all()
-    full = S.rmt_denoise(g, 0.01, method="full")
+    full = paper_denoise(g, 0.01, method="full")
     assert not full.gated.any()
 
 
@@ -229,7 +236,7 @@ def test_mixed_batch_per_matrix_sigma_and_gate() -> None:
     _, g = spiked(4, 80, 120, 2, 4.0, 0.1, seed=9)
     sig = torch.tensor([0.1, 5.0, 0.0, 0.1], dtype=F64)  # 5.0: edge far above the spikes → gate closed
     for method in ("gram", "truncated", "full"):
-        res = S.rmt_denoise(g, sig.to(DEVICE), method=method, compute_dtype=F64)
+        res = paper_denoise(g, sig.to(DEVICE), method=method, compute_dtype=F64)
         assert res.gated.tolist() == [True, False, False, True]
         assert torch.equal(res.tensor[1], g[1]) and torch.equal(res.tensor[2], g[2])
         assert rel(res.tensor[[0, 3]], oracle_denoise(g[[0, 3]], 0.1)) < 1e-6
@@ -238,7 +245,7 @@ def test_mixed_batch_per_matrix_sigma_and_gate() -> None:
 def test_tracy_widom_gate_paths_agree() -> None:
     _, g = spiked(3, 100, 140, 2, 3.0, 0.2, seed=11)
     outs = [
-        S.rmt_denoise(g, 0.2, gate="tracy_widom", false_alarm=1e-3, method=mth, compute_dtype=F64)
+        paper_denoise(g, 0.2, gate="tracy_widom", false_alarm=1e-3, method=mth, compute_dtype=F64)
         for mth in ("gram", "truncated", "full")
     ]
     for o in outs[1:]:
@@ -265,11 +272,11 @@ def test_spiked_model_properties(
 ) -> None:
     s = 10**log_s
     x, g = spiked(2, m, n, rank, strength, s, seed=seed, dtype=torch.float32)
-    res = S.rmt_denoise(g, s, method=method)
+    res = paper_denoise(g, s, method=method)
     assert res.gated.all()
     assert (cos(res.tensor, x) > cos(g, x)).all()  # closer to the signal than the noisy gradient
     torch.testing.assert_close(res.tensor.flatten(1).norm(dim=1), g.flatten(1).norm(dim=1), rtol=1e-5, atol=0)
-    raw = S.rmt_denoise(g, s, method=method, norm_correction=False)
+    raw = paper_denoise(g, s, method=method, norm_correction=False)
     assert (raw.tensor.flatten(1).norm(dim=1) < g.flatten(1).norm(dim=1)).all()  # shrinkage only shrinks
 
 
@@ -283,9 +290,9 @@ def test_spiked_model_properties(
 def test_below_gate_and_sigma_zero_unchanged(m: int, n: int, seed: int, method: str) -> None:
     x, g = spiked(2, m, n, 1, 0.5, 0.1, seed=seed, dtype=torch.float32)  # signal below the BBP threshold
     # claim a noise level 1.5× the true one: the top singular value sits well inside the claimed bulk
-    res = S.rmt_denoise(g, 0.15, method=method)
+    res = paper_denoise(g, 0.15, method=method)
     assert not res.gated.any() and torch.equal(res.tensor, g)
-    zero = S.rmt_denoise(g, 0.0, method=method)
+    zero = paper_denoise(g, 0.0, method=method)
     assert not zero.gated.any() and torch.equal(zero.tensor, g)
 
 
@@ -298,7 +305,7 @@ def test_below_gate_and_sigma_zero_unchanged(m: int, n: int, seed: int, method: 
 def test_dtype_in_dtype_out(dtype: torch.dtype, method: str) -> None:
     _, g = spiked(2, 40, 90, 1, 5.0, 0.5, seed=2)
     g = g.to(dtype)
-    res = S.rmt_denoise(g, 0.5, method=method)
+    res = paper_denoise(g, 0.5, method=method)
     assert res.tensor.dtype == dtype and res.tensor.shape == g.shape
     assert res.gated.all() and not torch.equal(res.tensor, g)
     assert rel(res.tensor, oracle_denoise(g.double(), 0.5)) < (
@@ -311,7 +318,7 @@ def test_nonfinite_matrix_left_unchanged() -> None:
     g[1, 3, 7] = float("nan")
     g[2, 0, 0] = float("inf")
     for method in ("gram", "truncated", "full"):
-        res = S.rmt_denoise(g, 0.2, method=method)
+        res = paper_denoise(g, 0.2, method=method)
         assert res.finite.tolist() == [True, False, False]
         assert res.gated.tolist() == [True, False, False]
         assert torch.equal(res.tensor[1:].isnan(), g[1:].isnan())
@@ -321,30 +328,30 @@ def test_nonfinite_matrix_left_unchanged() -> None:
 
 def test_empty_and_bad_input() -> None:
     e = torch.zeros(0, 5, 7, device=DEVICE)
-    assert S.rmt_denoise(e, 1.0).tensor is e
+    assert paper_denoise(e, 1.0).tensor is e
     z = torch.zeros(2, 0, 7, device=DEVICE)
-    assert S.rmt_denoise(z, 1.0).tensor is z
+    assert paper_denoise(z, 1.0).tensor is z
     with pytest.raises(ValueError):
-        S.rmt_denoise(torch.zeros(3, device=DEVICE), 1.0)
+        paper_denoise(torch.zeros(3, device=DEVICE), 1.0)
     with pytest.raises(TypeError):
-        S.rmt_denoise(torch.zeros(3, 3, dtype=torch.int64, device=DEVICE), 1.0)
+        paper_denoise(torch.zeros(3, 3, dtype=torch.int64, device=DEVICE), 1.0)
     with pytest.raises(ValueError):
-        S.rmt_denoise(torch.zeros(2, 3, 3, device=DEVICE), torch.ones(3, device=DEVICE))
+        paper_denoise(torch.zeros(2, 3, 3, device=DEVICE), torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError):
-        S.rmt_denoise(torch.ones(2, 3, 3, device=DEVICE), 1.0, gate="nope")  # type: ignore[arg-type]
+        paper_denoise(torch.ones(2, 3, 3, device=DEVICE), 1.0, gate="nope")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("method", ["gram", "truncated", "full"])
 def test_deterministic_bitwise(method: str) -> None:
     _, g = spiked(3, 70, 110, 3, 2.5, 0.3, seed=8, dtype=torch.float32)
-    a = S.rmt_denoise(g, 0.3, method=method)
-    b = S.rmt_denoise(g.clone(), 0.3, method=method)
+    a = paper_denoise(g, 0.3, method=method)
+    b = paper_denoise(g.clone(), 0.3, method=method)
     assert a.gated.all() and torch.equal(a.tensor, b.tensor)
 
 
 def test_unbatched_matrix() -> None:
     _, g = spiked(1, 20, 300, 1, 5.0, 0.1, seed=1)
-    res = S.rmt_denoise(g[0], 0.1, compute_dtype=F64)
+    res = paper_denoise(g[0], 0.1, compute_dtype=F64)
     assert res.tensor.shape == (20, 300)
     assert rel(res.tensor.unsqueeze(0), oracle_denoise(g, 0.1)) < 1e-6
 
@@ -356,8 +363,8 @@ def test_cholesky_gate_is_exact_near_the_threshold(rel_gap: float) -> None:
     g = torch.randn(4, 90, 130, generator=gen, dtype=F64).to(DEVICE)
     top = torch.linalg.svdvals(g)[:, 0]
     sig = top / ((1 + rel_gap) * 1.02 * (math.sqrt(90) + math.sqrt(130)))
-    full = S.rmt_denoise(g, sig, method="full", compute_dtype=F64)
-    trunc = S.rmt_denoise(g, sig, method="truncated", compute_dtype=F64)
+    full = paper_denoise(g, sig, method="full", compute_dtype=F64)
+    trunc = paper_denoise(g, sig, method="truncated", compute_dtype=F64)
     assert full.gated.tolist() == [rel_gap > 0] * 4
     assert torch.equal(trunc.gated, full.gated)
     assert rel(trunc.tensor, full.tensor) < 1e-6

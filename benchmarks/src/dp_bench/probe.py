@@ -97,7 +97,7 @@ def probe_federation(cfg: Any, task: Any, state: Mapping[str, torch.Tensor] | No
     """:func:`gradient_share` of a federation's model with the global adapter ``state`` (``None``: the initial
     one) on ``n`` training examples (a seeded choice, the same for every run on the same training split)."""
     from peft_lalora.federated.adapter_state import load_adapter_state, trainable_parameters
-    from peft_lalora.federated.federation import make_peft_model
+    from peft_lalora.federated.builders import make_peft_model
     from peft_lalora.federated.losses import NamedInputsLoss
 
     model = make_peft_model(cfg, task)

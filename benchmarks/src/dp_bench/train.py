@@ -25,7 +25,7 @@ from torch import nn
 
 from .meta import quiet_warnings
 
-__all__ = ["LengthSortedBatches", "evaluate", "run_dp", "step_record"]
+__all__ = ["LengthSortedBatches", "estimator_grad_sample_mode", "evaluate", "run_dp", "step_record"]
 
 
 class LengthSortedBatches(torch.utils.data.Sampler[list[int]]):
@@ -93,6 +93,186 @@ def _optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float
     raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {name!r}")
 
 
+class _PrivateRun:
+    """What ``make_private`` returned for a run: the wrapped module, the DP optimizer, the (possibly
+    length-sorted) Poisson loader and the criterion, plus the pipeline's handle and the ``backward`` of the
+    gradient estimator that replaces ``loss.backward()`` (``None``: the ordinary backward)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        out: Sequence[Any],
+        input_names: Sequence[str] | None,
+        sort_by: Sequence[int] | None,
+        gradient: Callable[[nn.Module], Any] | None,
+    ) -> None:
+        self.engine, self.handle = engine, engine.post_hooks
+        self.module, self.optimizer, self.loader = out[0], out[1], out[-1]
+        if sort_by is not None:  # BatchMemoryManager wraps this loader's batch sampler; it is never iterated itself
+            self.loader = torch.utils.data.DataLoader(
+                self.loader.dataset,
+                collate_fn=self.loader.collate_fn,
+                batch_sampler=LengthSortedBatches(self.loader.batch_sampler, sort_by),
+                generator=self.loader.generator,
+            )
+        self.criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+        self.input_names = input_names
+        estimator = (
+            gradient(self.module) if gradient is not None else self.handle.pipeline.gradient_estimator(self.module)
+        )
+        self.backward = estimator.backward if estimator is not None else None
+
+    def physical_step(self, inputs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        """One physical batch: fresh gradients, the loss and its backward (or the estimator's), the DP step."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+        def loss_fn() -> torch.Tensor:
+            names = self.input_names
+            logits = self.module(**dict(zip(names, inputs, strict=True))) if names else self.module(*inputs)
+            return self.criterion(getattr(logits, "logits", logits), y)
+
+        if self.backward is None:
+            loss = loss_fn()
+            loss.backward()
+        else:
+            loss = self.backward(loss_fn)
+        self.optimizer.step()
+        return loss
+
+    def finish(self, noise_multiplier: float, delta: float) -> float:
+        """The run's ε at ``delta`` (no noise: no guarantee, ∞); the pipeline is detached."""
+        eps = self.engine.get_epsilon(delta) if noise_multiplier > 0 else float("inf")
+        self.handle.remove()
+        return eps
+
+
+class _Evaluations:
+    """Test accuracy (``curve``) and the accuracy on each of ``eval_sets`` (``curves[name]``) at checkpoints."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        test: torch.utils.data.Dataset,
+        eval_sets: Mapping[str, torch.utils.data.Dataset] | None,
+        input_names: Sequence[str] | None,
+        batch: int,
+    ) -> None:
+        self.module, self.test, self.input_names, self.batch = module, test, input_names, batch
+        self.extra = dict(eval_sets or {})
+        self.curve: list[tuple[int, float]] = []
+        self.curves: dict[str, list[tuple[int, float]]] = {name: [] for name in self.extra}
+
+    def accuracy(self, data: torch.utils.data.Dataset) -> float:
+        return evaluate(self.module, data, self.input_names, self.batch)["accuracy"]
+
+    def record(self, step: int, test_accuracy: float | None = None) -> None:
+        """Evaluate after ``step`` completed steps (``test_accuracy``: the test accuracy already known)."""
+        self.curve.append((step, self.accuracy(self.test) if test_accuracy is None else test_accuracy))
+        for name, data in self.extra.items():
+            self.curves[name].append((step, self.accuracy(data)))
+
+
+def estimator_grad_sample_mode(denoisers: Sequence[Any], grad_sample_mode: str) -> str:
+    """``grad_sample_mode``, or the first of a denoiser's ``estimator_grad_sample_modes`` when it is not one of
+    them: the mode its gradient estimator works with (DiSK's two-point gradient: per-sample gradients, hooks)."""
+    for d in denoisers:
+        modes = getattr(d, "estimator_grad_sample_modes", None)
+        if modes and grad_sample_mode not in modes:
+            grad_sample_mode = modes[0]
+    return grad_sample_mode
+
+
+def _private_engine(accountant: str, seed: int) -> Any:
+    """The engine in its explicit reproducible mode: the same batches and noise draws for every method of a seed."""
+    from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
+
+    with warnings.catch_warnings():  # paired noise is this experiment's design; the warning is the reminder
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        return PrivacyEngine(accountant=accountant, noise_seed=seed + 1)  # same batches and noise per seed
+
+
+def _make_private(
+    engine: Any,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loader: torch.utils.data.DataLoader,
+    post_hooks: Sequence[Any],
+    gradient: Callable[[nn.Module], Any] | None,
+    *,
+    grad_sample_mode: str,
+    **options: Any,
+) -> tuple[Any, ...]:
+    """``engine.make_private`` with Poisson sampling and the denoisers of ``post_hooks``; without ``gradient``, in
+    the ``grad_sample_mode`` the pipeline's gradient estimator works with (:func:`estimator_grad_sample_mode`)."""
+    from opacus_spectral.registry import create_denoisers
+
+    denoisers = create_denoisers(list(post_hooks), engine.registry)
+    if gradient is None:
+        grad_sample_mode = estimator_grad_sample_mode(denoisers, grad_sample_mode)
+    return engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        poisson_sampling=True,
+        post_hooks=denoisers,
+        grad_sample_mode=grad_sample_mode,
+        **options,
+    )
+
+
+def _train(
+    run: _PrivateRun,
+    evals: _Evaluations,
+    *,
+    initial_accuracy: float | None,
+    steps: int,
+    physical_batch: int,
+    eval_at: Iterable[int],
+    per_param: bool,
+    on_step: Callable[[int, dict[str, Any], Any], None] | None,
+    desc: str,
+) -> tuple[list[dict[str, Any]], float]:
+    """``steps`` logical steps through Opacus' ``BatchMemoryManager``: one record per logical step (recognised by
+    the handle's ``logical_steps`` counter), then ``on_step`` and the evaluation at ``eval_at`` (0: before
+    training, ``initial_accuracy`` as its test accuracy when given). Returns the records and the training
+    seconds (evaluations excluded)."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from tqdm.auto import tqdm
+
+    eval_at = set(eval_at)
+    if 0 in eval_at:
+        evals.record(0, initial_accuracy)
+    log: list[dict[str, Any]] = []
+    step, t_train = 0, 0.0
+    bar = tqdm(total=steps, desc=desc, unit="step", leave=False, mininterval=2.0)
+    t0 = time.perf_counter()
+    while step < steps:
+        with BatchMemoryManager(
+            data_loader=run.loader, max_physical_batch_size=physical_batch, optimizer=run.optimizer
+        ) as mem_loader:
+            for *inputs, y in mem_loader:
+                loss = run.physical_step(inputs, y)
+                if run.handle.logical_steps == step:  # a virtual (accumulation) step of BatchMemoryManager
+                    continue
+                dt = time.perf_counter() - t0
+                t_train += dt
+                entry = step_record(run.handle.diagnostics.last, per_param=per_param)
+                entry.update(step=step, seconds=dt, loss=float(loss.detach()))
+                log.append(entry)
+                if on_step is not None:
+                    on_step(step, entry, run.optimizer)
+                step += 1
+                bar.update(1)
+                if step in eval_at:
+                    evals.record(step)
+                    bar.set_postfix(acc=f"{evals.curve[-1][1]:.3f}")
+                t0 = time.perf_counter()
+                if step >= steps:
+                    break
+    bar.close()
+    return log, t_train
+
+
 def run_dp(
     model: nn.Module,
     train: torch.utils.data.Dataset,
@@ -130,110 +310,44 @@ def run_dp(
     at which test accuracy is measured (and the accuracy on each of ``eval_sets``, e.g. a validation split:
     ``result["curves"][name]``). ``on_step(step, record, dp_optimizer)`` runs after each logical step
     (before the step's evaluation), e.g. to snapshot the clean gradient. ``gradient(wrapped_model)`` builds an
-    object whose ``backward(loss_fn)`` replaces ``loss.backward()`` (e.g. DiSK's two-point gradient).
+    object whose ``backward(loss_fn)`` replaces ``loss.backward()``; without it, the gradient estimator a
+    denoiser of the installed pipeline offers does (``PostNoisePipeline.gradient_estimator``, e.g. DiSK's
+    two-point gradient), with the ``grad_sample_mode`` it works with (:func:`estimator_grad_sample_mode`).
     ``sort_by`` (a length per training example) sorts every Poisson batch before it is split into physical
     batches of ``physical_batch`` (:class:`LengthSortedBatches`). Returns
     ``{"per_step", "curve", "epsilon", "train_seconds", "noise_multiplier"}``.
     """
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-    from tqdm.auto import tqdm
-
-    from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
-
     quiet_warnings()
-    eval_at = set(eval_at)
     loader = torch.utils.data.DataLoader(train, batch_size=batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = _optimizer(params, optimizer, lr, momentum)
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad], optimizer, lr, momentum)
     torch.manual_seed(seed + 1)  # the rest of the run's randomness (dropout) is shared by every method of a seed
-    with warnings.catch_warnings():  # paired noise is this experiment's design; the warning is the reminder
-        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        engine = PrivacyEngine(accountant=accountant, noise_seed=seed + 1)  # same batches and noise per seed
-    out = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=loader,
+    engine = _private_engine(accountant, seed)
+    out = _make_private(
+        engine,
+        model,
+        opt,
+        loader,
+        post_hooks,
+        gradient,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
-        poisson_sampling=True,
-        post_hooks=list(post_hooks),
         oracle=oracle,
         grad_sample_mode=grad_sample_mode,
         allow_non_private=allow_non_private,
     )
-    module, dp_opt, dp_loader = out[0], out[1], out[-1]
-    if sort_by is not None:  # BatchMemoryManager wraps this loader's batch sampler; it is never iterated itself
-        dp_loader = torch.utils.data.DataLoader(
-            dp_loader.dataset,
-            collate_fn=dp_loader.collate_fn,
-            batch_sampler=LengthSortedBatches(dp_loader.batch_sampler, sort_by),
-            generator=dp_loader.generator,
-        )
-    criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
-    handle = engine.post_hooks
-    backward = gradient(module).backward if gradient is not None else None
-
-    def acc() -> float:
-        return evaluate(module, test, input_names, eval_batch)["accuracy"]
-
-    extra = dict(eval_sets or {})
-    curves: dict[str, list[tuple[int, float]]] = {name: [] for name in extra}
-
-    def checkpoint(step: int) -> None:
-        for name, data in extra.items():
-            curves[name].append((step, evaluate(module, data, input_names, eval_batch)["accuracy"]))
-
-    curve: list[tuple[int, float]] = []
-    if 0 in eval_at:
-        curve.append((0, acc() if initial_accuracy is None else initial_accuracy))
-        checkpoint(0)
-    log: list[dict[str, Any]] = []
-    step, t_train = 0, 0.0
-    bar = tqdm(total=steps, desc=desc, unit="step", leave=False, mininterval=2.0)
-    t0 = time.perf_counter()
-    while step < steps:
-        with BatchMemoryManager(
-            data_loader=dp_loader, max_physical_batch_size=physical_batch, optimizer=dp_opt
-        ) as mem_loader:
-            for *inputs, y in mem_loader:
-                dp_opt.zero_grad(set_to_none=True)
-
-                def loss_fn(inputs: list[torch.Tensor] = inputs, y: torch.Tensor = y) -> torch.Tensor:
-                    logits = module(**dict(zip(input_names, inputs, strict=True))) if input_names else module(*inputs)
-                    return criterion(getattr(logits, "logits", logits), y)
-
-                if backward is None:
-                    loss = loss_fn()
-                    loss.backward()
-                else:
-                    loss = backward(loss_fn)
-                dp_opt.step()
-                if handle.logical_steps == step:  # a virtual (accumulation) step of BatchMemoryManager
-                    continue
-                dt = time.perf_counter() - t0
-                t_train += dt
-                entry = step_record(handle.diagnostics.last, per_param=per_param)
-                entry.update(step=step, seconds=dt, loss=float(loss.detach()))
-                log.append(entry)
-                if on_step is not None:
-                    on_step(step, entry, dp_opt)
-                step += 1
-                bar.update(1)
-                if step in eval_at:
-                    curve.append((step, acc()))
-                    checkpoint(step)
-                    bar.set_postfix(acc=f"{curve[-1][1]:.3f}")
-                t0 = time.perf_counter()
-                if step >= steps:
-                    break
-    bar.close()
-    eps = engine.get_epsilon(delta) if noise_multiplier > 0 else float("inf")  # no noise: no guarantee
-    handle.remove()
-    return {
-        "per_step": log,
-        "curve": curve,
-        "curves": curves,
-        "epsilon": eps,
-        "train_seconds": t_train,
-        "noise_multiplier": noise_multiplier,
-    }
+    run = _PrivateRun(engine, out, input_names, sort_by, gradient)
+    evals = _Evaluations(run.module, test, eval_sets, input_names, eval_batch)
+    log, t_train = _train(
+        run,
+        evals,
+        initial_accuracy=initial_accuracy,
+        steps=steps,
+        physical_batch=physical_batch,
+        eval_at=eval_at,
+        per_param=per_param,
+        on_step=on_step,
+        desc=desc,
+    )
+    eps = run.finish(noise_multiplier, delta)
+    curves = {"curve": evals.curve, "curves": evals.curves}
+    return {"per_step": log, **curves, "epsilon": eps, "train_seconds": t_train, "noise_multiplier": noise_multiplier}

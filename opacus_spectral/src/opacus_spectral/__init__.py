@@ -8,7 +8,7 @@ The Hugging Face Trainer with DP-SGD is ``opacus_spectral.hf.DPTrainer`` (the ``
 
 from .advice import DenoiserAdviceWarning
 from .calibration import noise_std
-from .denoiser import Denoiser, DenoiserProtocol
+from .denoiser import Denoiser, DenoiserProtocol, GradientEstimator
 from .doctor import Doctor, DoctorError, DoctorWarning
 from .ema import EMADenoiser
 from .engine import PrivacyEngine
@@ -38,6 +38,7 @@ from .registry import (
     reload_registry,
 )
 from .rmt import RMTDenoiser
+from .selection import Selector
 
 __all__ = [
     "Denoiser",
@@ -50,6 +51,7 @@ __all__ = [
     "DoctorWarning",
     "EMADenoiser",
     "DenoiserSpec",
+    "GradientEstimator",
     "LoadError",
     "LowPassDenoiser",
     "NoisyGradient",
@@ -61,6 +63,7 @@ __all__ = [
     "PrivacyEngine",
     "RMTDenoiser",
     "ReproducibleNoiseWarning",
+    "Selector",
     "StepDiagnostics",
     "available_denoisers",
     "causal_lm_loss",

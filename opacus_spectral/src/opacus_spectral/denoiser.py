@@ -1,13 +1,22 @@
-"""The denoiser contract: a callable over a sequence of :class:`NoisyGradient` records."""
+"""The denoiser contract: a callable over a sequence of :class:`NoisyGradient` records.
+
+Optional parts, all read with ``getattr`` so a plain callable is a denoiser too: ``output_noise`` (the noise its
+outputs carry), ``selector`` (a :class:`~opacus_spectral.selection.Selector`: the records the pipeline hands it),
+state (``state_dict``/``load_state_dict``/``reset``) and ``gradient_estimator(module)`` (a
+:class:`GradientEstimator` that replaces the training loop's ``backward``, ``docs/plugins.md``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from .records import NoisyGradient
+from .selection import Selector
 
 #: what :meth:`Denoiser.output_noise` returns: a gain or a kind, for all records or one per record
 NoiseDeclaration = float | str | Sequence[float | str]
@@ -29,12 +38,26 @@ class DenoiserProtocol(Protocol):
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None: ...
 
 
+@runtime_checkable
+class GradientEstimator(Protocol):
+    """A pre-clip gradient estimator: what the training loop calls instead of ``loss_fn().backward()``.
+
+    ``backward(loss_fn)`` runs the closure ``loss_fn`` (the loss of the current batch) as often as it needs and
+    leaves the per-sample gradients Opacus then clips and noises (``p.grad_sample``); it returns the loss
+    (e.g. DiSK's two-point gradient, the ``disk`` plugin). A denoiser offers one through
+    :meth:`Denoiser.gradient_estimator`.
+    """
+
+    def backward(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+
 class Denoiser:
     """Convenience base class with the optional parts of the contract.
 
     Subclasses implement :meth:`__call__`. Stateful denoisers override :meth:`state_dict`,
     :meth:`load_state_dict` and :meth:`reset`. A denoiser may publish per-step numbers in
-    ``self.diagnostics`` (a dict, values may be tensors — the pipeline never syncs them).
+    ``self.stats`` (a dict, values may be tensors — the pipeline never syncs them); the pipeline copies them into
+    the step's :class:`~opacus_spectral.StepDiagnostics`. ``self.diagnostics`` is the deprecated name of ``stats``.
     """
 
     #: registry name; set by subclasses
@@ -45,9 +68,33 @@ class Denoiser:
     #: acts only on records whose noise is isotropic with a known std (a spectral denoiser such as ``rmt``): the
     #: pipeline warns once when an earlier callable that declares no output noise makes it skip records
     needs_isotropic_noise: bool = False
+    #: the records the pipeline hands this denoiser (default: all); subclasses set an instance attribute from
+    #: their ``roles=``/``params=`` arguments (:meth:`Selector.build <opacus_spectral.selection.Selector.build>`)
+    selector: Selector = Selector()
+    #: the Opacus ``grad_sample_mode`` values its :meth:`gradient_estimator` works with (``None``: any)
+    estimator_grad_sample_modes: tuple[str, ...] | None = None
 
     def __init__(self) -> None:
-        self.diagnostics: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+
+    @property
+    def diagnostics(self) -> dict[str, Any]:
+        """Deprecated name of :attr:`stats` ("diagnostics" are the pipeline's per-step records)."""
+        warnings.warn(
+            f"{type(self).__name__}.diagnostics is deprecated: read {type(self).__name__}.stats",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.stats
+
+    @diagnostics.setter
+    def diagnostics(self, value: dict[str, Any]) -> None:
+        warnings.warn(
+            f"{type(self).__name__}.diagnostics is deprecated: publish per-step numbers in self.stats",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.stats = value
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None:
         raise NotImplementedError
@@ -65,16 +112,18 @@ class Denoiser:
         return "unknown"
 
     def selects(self, name: str, role: str) -> bool:
-        """Whether this denoiser may act on the parameter ``name`` with ``role`` (default: every one).
+        """Whether the parameter ``name`` with ``role`` is selected: ``self.selector.matches(name, role)``.
 
-        Denoisers with ``roles=``/``params=`` selectors override it; the engine warns once at installation
-        when a denoiser selects none of the optimizer's parameters (a typo would otherwise do nothing).
+        The pipeline applies the selector itself and hands the denoiser only the records it selects; it warns
+        once at installation when a denoiser selects none of the optimizer's parameters.
         """
-        return True
+        selector = self.selector
+        return selector.matches(name, role) if isinstance(selector, Selector) else True
 
-    def selector(self) -> str:
-        """How the selector is shown in that warning."""
-        return "all parameters"
+    def gradient_estimator(self, module: nn.Module) -> GradientEstimator | None:
+        """A :class:`GradientEstimator` for the (Opacus-wrapped) ``module`` that replaces the training loop's
+        ``backward``, or ``None`` (default: the ordinary backward)."""
+        return None
 
     def reset(self) -> None:
         """Forget any state carried across steps."""
@@ -102,3 +151,48 @@ def declares_noise(d: object) -> bool:
     """Whether ``d`` declares its output noise: it has an ``output_noise`` other than :class:`Denoiser`'s default."""
     declare = getattr(d, "output_noise", None)
     return declare is not None and getattr(declare, "__func__", None) is not Denoiser.output_noise
+
+
+def declared_selector(d: object) -> Selector | None:
+    """The :class:`~opacus_spectral.selection.Selector` the pipeline applies for ``d``; ``None`` hands it every
+    record: ``d`` declares none (a plain callable, or the older contract: a ``selects`` method of its own and
+    ``selector()`` text), so it selects by itself."""
+    selector = getattr(d, "selector", None)
+    if not isinstance(selector, Selector):
+        return None
+    if selector is Denoiser.selector and getattr(type(d), "selects", Denoiser.selects) is not Denoiser.selects:
+        return None  # a subclass that kept its own ``selects`` and the inherited select-all selector
+    return selector
+
+
+def selects_record(d: object, name: str, role: str) -> bool:
+    """Whether ``d`` selects the parameter: its declared selector, else its own ``selects`` (none: every one)."""
+    selector = declared_selector(d)
+    if selector is not None:
+        return selector.matches(name, role)
+    selects = getattr(d, "selects", None)
+    return selects is None or bool(selects(name, role))
+
+
+def describe_selector(d: object) -> str:
+    """How ``d``'s selector is shown in messages."""
+    selector = declared_selector(d)
+    if selector is not None:
+        return str(selector)
+    text = getattr(d, "selector", None)
+    if isinstance(text, Selector):
+        return f"its own selects() method ({type(d).__name__})"
+    return text() if callable(text) else "?"
+
+
+def published_stats(d: object) -> dict[str, Any] | None:
+    """The per-step numbers ``d`` published (``d.stats``; a callable that is no :class:`Denoiser` may still use the
+    older name ``diagnostics``), or ``None``."""
+    stats = getattr(d, "stats", None)
+    if isinstance(stats, dict):
+        return stats
+    if not isinstance(d, Denoiser):
+        older = getattr(d, "diagnostics", None)
+        if isinstance(older, dict):
+            return older
+    return None

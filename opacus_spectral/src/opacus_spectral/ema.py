@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .denoiser import Denoiser
 from .records import NoisyGradient
-from .selection import ParamFilter, describe_param_filter, resolve_param_filter, resolve_roles
+from .selection import ParamFilter, Selector
 
 __all__ = ["EMADenoiser"]
 
@@ -61,9 +61,8 @@ class EMADenoiser(Denoiser):
             raise ValueError(f"beta must be a number in [0, 1), got {beta!r}")
         self.beta = float(beta)
         self.bias_correction = bool(bias_correction)
-        self.roles = None if roles is None else resolve_roles(roles, ())
-        self.params = params
-        self._select_name = resolve_param_filter(params)
+        #: the records it averages (applied by the pipeline)
+        self.selector = Selector.build(roles=roles, params=params)
         self.state_dtype = state_dtype
         self._gains: list[float | str] = []
         self.reset()
@@ -73,12 +72,13 @@ class EMADenoiser(Denoiser):
         self.t: dict[str, int] = {}  #: steps averaged, per parameter
         self.v: dict[str, float] = {}  #: output-noise variance recursion (before bias correction)
 
-    def selects(self, name: str, role: str) -> bool:
-        return (self.roles is None or role in self.roles) and bool(self._select_name(name))
+    @property
+    def roles(self) -> frozenset[str] | None:
+        return self.selector.roles
 
-    def selector(self) -> str:
-        roles = "all roles" if self.roles is None else f"roles={sorted(self.roles)}"
-        return f"{roles}, {describe_param_filter(self.params)}"
+    @property
+    def params(self) -> ParamFilter:
+        return self.selector.params
 
     def _dtype(self, t: Tensor) -> torch.dtype:
         return torch.float64 if t.dtype == torch.float64 else self.state_dtype
@@ -86,9 +86,9 @@ class EMADenoiser(Denoiser):
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[Tensor | None]:
         out: list[Tensor | None] = [None] * len(grads)
         self._gains = [1.0] * len(grads)
-        sel = [i for i, g in enumerate(grads) if g.tensor.numel() and self.selects(g.name, g.role)]
+        sel = [i for i, g in enumerate(grads) if g.tensor.numel()]  # the pipeline hands it only what it selects
         if not sel:
-            self.diagnostics = {"averaged": 0}
+            self.stats = {"averaged": 0}
             return out
         beta = self.beta
         xs = [grads[i].tensor.detach().to(self._dtype(grads[i].tensor)) for i in sel]
@@ -112,7 +112,7 @@ class EMADenoiser(Denoiser):
         outputs = torch._foreach_div(ms, corrs)
         for i, o in zip(sel, outputs, strict=True):
             out[i] = o.to(grads[i].tensor.dtype)
-        self.diagnostics = {"averaged": len(sel)}
+        self.stats = {"averaged": len(sel)}
         return out
 
     def output_noise(self, grads: Sequence[NoisyGradient]) -> list[float | str]:

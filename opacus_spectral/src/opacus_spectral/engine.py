@@ -389,9 +389,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         accountant = checkpoint.get("privacy_accountant_state_dict") if isinstance(checkpoint, dict) else None
         if not isinstance(accountant, dict) or "history" not in accountant:
             raise ValueError("load_checkpoint: the file holds no accountant state (privacy_accountant_state_dict)")
-        sigma = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
+        multiplier = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
         q = sample_rate if sample_rate is not None else self._sample_rate
-        if (sigma is None and noise_scheduler is None) or q is None:
+        if (multiplier is None and noise_scheduler is None) or q is None:
             raise ValueError(
                 "load_checkpoint cannot check the checkpoint's privacy accounting without the run's noise multiplier "
                 "and sample rate: call make_private first and pass its DPOptimizer as optimizer=, or pass "
@@ -403,7 +403,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             counters.append(pipeline["step"])
         return verify_accountant_history(
             accountant["history"],
-            noise_multiplier=None if noise_scheduler is not None else sigma,
+            noise_multiplier=None if noise_scheduler is not None else multiplier,
             sample_rate=q,
             min_steps=max(counters),
             where=f"load_checkpoint({where})",

@@ -6,10 +6,13 @@ Models", arXiv 2602.19926) and of its public reference code:
 * :func:`binomial5` — the 5-tap binomial kernel ``[1, 4, 6, 4, 1]/16`` with symmetric padding (paper B;
   §2.1). Frequency response ``cos⁴(ω/2)``: DC gain 1, Nyquist gain 0, white-noise variance
   factor ``Σ h² = 70/256 ≈ 0.273`` (§2.4).
-* :func:`gaussian` — a normalised sampled Gaussian kernel of std ``sigma`` (radius ``ceil(truncate·σ)``),
-  symmetric padding (§2.2).
-* :func:`laplacian_smooth` — ``(I − σΔ)⁻¹`` with the circular discrete Laplacian, solved exactly by FFT
-  (paper B's reference code), over one axis or two; response ``1/(1 + 4σ Σ_d sin²(ω_d/2))`` (§2.3).
+* :func:`gaussian` — a normalised sampled Gaussian kernel of std ``width`` samples (radius
+  ``ceil(truncate·width)``), symmetric padding (§2.2).
+* :func:`laplacian_smooth` — ``(I − wΔ)⁻¹`` (``w`` = ``width``) with the circular discrete Laplacian, solved
+  exactly by FFT (paper B's reference code), over one axis or two; response ``1/(1 + 4w Σ_d sin²(ω_d/2))`` (§2.3).
+
+The kernel width is ``width`` (``docs/math.md`` writes it σ; ``sigma=`` is accepted as a deprecated keyword):
+in this package ``sigma`` names the per-entry noise std only.
 
 "Symmetric" padding is half-sample symmetric (the edge sample is repeated: ``… b a | a b c …``, NumPy's
 ``mode="symmetric"``). All functions filter along ``axis`` of a tensor of any shape (so a leading batch
@@ -20,6 +23,7 @@ computed in float32.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +42,24 @@ __all__ = [
 
 #: Paper B's kernel (``docs/math.md`` §2.1).
 BINOMIAL5: tuple[float, ...] = (1 / 16, 4 / 16, 6 / 16, 4 / 16, 1 / 16)
+
+
+def _width(width: float | None, sigma: float | None, where: str, default: float | None = None) -> float:
+    """``width``, or its deprecated keyword name ``sigma`` (with a ``DeprecationWarning``)."""
+    if sigma is not None:
+        if width is not None:
+            raise TypeError(f"{where}: pass width= only (sigma= is its deprecated name)")
+        warnings.warn(
+            f"{where}(sigma=...) is deprecated: the kernel width is width= (sigma is the noise std)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return sigma
+    if width is None:
+        if default is None:
+            raise TypeError(f"{where}() missing required argument: 'width'")
+        return default
+    return width
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -78,25 +100,34 @@ def binomial5(x: Tensor, axis: int = -1) -> Tensor:
     return apply_kernel(x, BINOMIAL5, axis)
 
 
-def gaussian_kernel(sigma: float, truncate: float = 4.0) -> Tensor:
-    """Sampled Gaussian ``exp(−k²/(2σ²))`` on ``|k| ≤ ceil(truncate·σ)``, normalised to sum 1 (float64)."""
-    if not (math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"gaussian sigma must be positive and finite, got {sigma!r}")
-    radius = max(1, math.ceil(truncate * sigma))
+def gaussian_kernel(width: float | None = None, truncate: float = 4.0, *, sigma: float | None = None) -> Tensor:
+    """Sampled Gaussian ``exp(−k²/(2w²))`` on ``|k| ≤ ceil(truncate·w)``, ``w`` = ``width``, normalised to sum 1
+    (float64)."""
+    width = _width(width, sigma, "gaussian_kernel")
+    if not (math.isfinite(width) and width > 0):
+        raise ValueError(f"gaussian width must be positive and finite, got {width!r}")
+    radius = max(1, math.ceil(truncate * width))
     k = torch.arange(-radius, radius + 1, dtype=torch.float64)
-    h = torch.exp(-0.5 * (k / sigma) ** 2)
+    h = torch.exp(-0.5 * (k / width) ** 2)
     return h / h.sum()
 
 
-def gaussian(x: Tensor, sigma: float, axis: int = -1, truncate: float = 4.0) -> Tensor:
-    """Gaussian smoothing of std ``sigma`` (in samples) along ``axis``, symmetric padding."""
-    return apply_kernel(x, gaussian_kernel(sigma, truncate), axis)
+def gaussian(
+    x: Tensor, width: float | None = None, axis: int = -1, truncate: float = 4.0, *, sigma: float | None = None
+) -> Tensor:
+    """Gaussian smoothing of std ``width`` (in samples) along ``axis``, symmetric padding."""
+    return apply_kernel(x, gaussian_kernel(_width(width, sigma, "gaussian"), truncate), axis)
 
 
 def laplacian_response(
-    sizes: Sequence[int], sigma: float, dtype: torch.dtype = torch.float64, device: torch.device | None = None
+    sizes: Sequence[int],
+    width: float | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+    *,
+    sigma: float | None = None,
 ) -> Tensor:
-    """Frequency response of ``(I − σΔ)⁻¹`` on a periodic grid: ``1/(1 + 4σ Σ_d sin²(π k_d / N_d))``.
+    """Frequency response of ``(I − wΔ)⁻¹`` on a periodic grid: ``1/(1 + 4w Σ_d sin²(π k_d / N_d))``.
 
     Shape ``sizes`` (full FFT grid, ``torch.fft.fftn`` frequency order).
     """
@@ -107,17 +138,21 @@ def laplacian_response(
         shape = [1] * len(sizes)
         shape[d] = size
         total = total + term.reshape(shape)
-    return 1.0 / (1.0 + 4.0 * sigma * total)
+    return 1.0 / (1.0 + 4.0 * _width(width, sigma, "laplacian_response") * total)
 
 
-def laplacian_smooth(x: Tensor, sigma: float = 1.0, axes: int | Sequence[int] = -1) -> Tensor:
-    """Laplacian smoothing ``(I − σΔ)⁻¹ x`` with circular boundaries over ``axes`` (1 or more), by FFT.
+def laplacian_smooth(
+    x: Tensor, width: float | None = None, axes: int | Sequence[int] = -1, *, sigma: float | None = None
+) -> Tensor:
+    """Laplacian smoothing ``(I − wΔ)⁻¹ x`` (``w`` = ``width``, default 1) with circular boundaries over ``axes``
+    (1 or more), by FFT.
 
     ``Δ`` is the sum over ``axes`` of the periodic second difference ``x[i−1] − 2x[i] + x[i+1]``, whose
-    Fourier symbol is ``−4 sin²(ω/2)`` (paper B's reference code uses ``σ = 1`` over both axes; ``docs/math.md`` §3.4).
+    Fourier symbol is ``−4 sin²(ω/2)`` (paper B's reference code uses ``w = 1`` over both axes; ``docs/math.md`` §3.4).
     """
-    if not (math.isfinite(sigma) and sigma >= 0):
-        raise ValueError(f"laplacian sigma must be >= 0 and finite, got {sigma!r}")
+    width = _width(width, sigma, "laplacian_smooth", default=1.0)
+    if not (math.isfinite(width) and width >= 0):
+        raise ValueError(f"laplacian width must be >= 0 and finite, got {width!r}")
     if x.numel() == 0:
         return x.clone()
     dims = [axes] if isinstance(axes, int) else list(axes)
@@ -126,7 +161,7 @@ def laplacian_smooth(x: Tensor, sigma: float = 1.0, axes: int | Sequence[int] = 
         raise ValueError(f"repeated axes {axes!r}")
     cdt = _compute_dtype(x)
     xc = x.to(cdt)
-    resp = laplacian_response([x.shape[d] for d in dims], sigma, dtype=cdt, device=x.device)
+    resp = laplacian_response([x.shape[d] for d in dims], width, dtype=cdt, device=x.device)
     shape = [1] * x.dim()
     for d in dims:
         shape[d] = x.shape[d]

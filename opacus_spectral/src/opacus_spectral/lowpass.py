@@ -4,12 +4,14 @@ The filter of LA-LoRA (paper B: arXiv 2602.19926), ``docs/math.md`` §2. The fil
 :mod:`opacus_spectral.filters`. The axis comes from the parameter's role (§2.5):
 LoRA A ``(r, in)`` is smoothed along its input features (dim 1), LoRA B ``(out, r)`` along its output
 features (dim 0); other ≥2-D ``weight`` gradients only when ``weight_axis`` is set; 1-D gradients only
-with ``vectors=True``. Same-shape tensors with the same axis are filtered in one batched call.
+with ``vectors=True``. Same-shape tensors with the same axis are filtered in one batched call. Which records it
+is handed (``params=``, the roles with an axis) is its :attr:`~LowPassDenoiser.selector`, applied by the pipeline.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -20,7 +22,7 @@ from . import filters
 from .denoiser import Denoiser
 from .records import ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
 from .rmt import matrix_view
-from .selection import ParamFilter, describe_param_filter, resolve_param_filter
+from .selection import ParamFilter, Selector
 
 __all__ = ["LowPassDenoiser"]
 
@@ -32,10 +34,11 @@ class LowPassDenoiser(Denoiser):
 
     Args:
         kernel: ``"binomial5"`` (``[1,4,6,4,1]/16``, symmetric padding; default, paper B),
-            ``"gaussian"`` (std ``sigma`` samples, symmetric padding) or ``"laplacian"`` (``(I − σΔ)⁻¹``,
-            circular, by FFT; paper B's reference code).
-        sigma: kernel width for ``gaussian`` (default 1.0) / ``laplacian`` (default 1.0, the reference
-            code). Not the noise std — that is ``record.sigma`` and a fixed filter does not use it.
+            ``"gaussian"`` (std ``kernel_width`` samples, symmetric padding) or ``"laplacian"`` (``(I − wΔ)⁻¹``,
+            ``w`` = ``kernel_width``, circular, by FFT; paper B's reference code).
+        kernel_width: kernel width for ``gaussian`` (default 1.0) / ``laplacian`` (default 1.0, the reference
+            code); ``sigma=`` is its deprecated name. Not the noise std — that is ``record.sigma`` and a fixed
+            filter does not use it.
         laplacian_dims: 1 (along the role's axis) or 2 (over both matrix axes, incl. the rank axis, like
             the reference code).
         weight_axis: axis for other ≥2-D ``weight`` gradients (conv kernels are viewed as
@@ -44,10 +47,10 @@ class LowPassDenoiser(Denoiser):
         role_axes: override/extend the role → axis map (``None`` axis = untouched), e.g.
             ``{"embedding": 1}`` or ``{"lora_A": None}``.
         params: optional name filter: a substring, substrings (any match) or a predicate on the qualified name.
-        truncate: Gaussian kernel radius in units of ``sigma``.
+        truncate: Gaussian kernel radius in units of ``kernel_width``.
 
     The filter does not depend on ``record.sigma``, except that a noiseless record (``sigma == 0``) is
-    left unchanged (the opacus-spectral contract: no noise, nothing to remove). ``self.diagnostics``:
+    left unchanged (the opacus-spectral contract: no noise, nothing to remove). ``self.stats``:
     ``{"filtered": number of tensors filtered}``.
     """
 
@@ -57,22 +60,24 @@ class LowPassDenoiser(Denoiser):
         self,
         *,
         kernel: Kernel = "binomial5",
-        sigma: float | None = None,
+        kernel_width: float | None = None,
         laplacian_dims: int = 1,
         weight_axis: int | None = None,
         vectors: bool = False,
         role_axes: Mapping[str, int | None] | None = None,
         params: ParamFilter = None,
         truncate: float = 4.0,
+        sigma: float | None = None,
     ) -> None:
         super().__init__()
+        kernel_width = _kernel_width(kernel_width, sigma)
         if kernel not in ("binomial5", "gaussian", "laplacian"):
             raise ValueError(f"kernel must be 'binomial5', 'gaussian' or 'laplacian', got {kernel!r}")
-        if kernel == "binomial5" and sigma is not None:
-            raise ValueError("sigma is only used by the 'gaussian' and 'laplacian' kernels")
-        width = 1.0 if sigma is None else float(sigma)
+        if kernel == "binomial5" and kernel_width is not None:
+            raise ValueError("kernel_width is only used by the 'gaussian' and 'laplacian' kernels")
+        width = 1.0 if kernel_width is None else float(kernel_width)
         if not (math.isfinite(width) and width > 0):
-            raise ValueError(f"sigma must be positive and finite, got {sigma!r}")
+            raise ValueError(f"kernel_width must be positive and finite, got {kernel_width!r}")
         if laplacian_dims not in (1, 2):
             raise ValueError(f"laplacian_dims must be 1 or 2, got {laplacian_dims!r}")
         if laplacian_dims == 2 and kernel != "laplacian":
@@ -83,31 +88,41 @@ class LowPassDenoiser(Denoiser):
             if ax not in (None, 0, 1):
                 raise ValueError(f"axis for role {role!r} must be None, 0 or 1, got {ax!r}")
         self.kernel: Kernel = kernel
-        self.sigma = width
+        self.kernel_width = width
         self.laplacian_dims = laplacian_dims
         self.role_axes = axes
         self.vectors = bool(vectors)
-        self.params = params
-        self._select_name = resolve_param_filter(params)
+        #: the records it is handed: ``params=`` and the roles with an axis (every role with ``vectors=True``:
+        #: 1-D tensors of any role are filtered then)
+        acting = frozenset(r for r, ax in axes.items() if ax is not None)
+        self.selector = Selector(roles=None if self.vectors else acting, params=params)
         self.truncate = float(truncate)
         self._taps: Tensor | None = None
         if kernel == "binomial5":
             self._taps = torch.tensor(filters.BINOMIAL5, dtype=torch.float64)
         elif kernel == "gaussian":
-            self._taps = filters.gaussian_kernel(self.sigma, self.truncate)
+            self._taps = filters.gaussian_kernel(self.kernel_width, self.truncate)
 
-    def selects(self, name: str, role: str) -> bool:
-        return bool(self._select_name(name)) and (self.role_axes.get(role) is not None or self.vectors)
+    @property
+    def params(self) -> ParamFilter:
+        return self.selector.params
 
-    def selector(self) -> str:
-        acting = sorted(r for r, ax in self.role_axes.items() if ax is not None)
-        vec = ", vectors=True" if self.vectors else ""
-        return f"roles with an axis={acting}{vec}, {describe_param_filter(self.params)}"
+    @property
+    def sigma(self) -> float:
+        """Deprecated name of :attr:`kernel_width`."""
+        warnings.warn(
+            "LowPassDenoiser.sigma is deprecated: read kernel_width (sigma is the noise std)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.kernel_width
 
     def axis_for(self, rec: NoisyGradient) -> tuple[Tensor, int] | None:
         """(tensor view, axis) to filter ``rec`` along, or ``None`` to leave it untouched."""
         t = rec.tensor
-        if rec.sigma == 0 or t.numel() == 0 or not t.is_floating_point() or not self._select_name(rec.name):
+        if rec.sigma == 0 or t.numel() == 0 or not t.is_floating_point():
+            return None
+        if not self.selector.matches(rec.name, rec.role):  # called directly, not through the pipeline
             return None
         if t.dim() == 1:
             return (t, 0) if self.vectors else None
@@ -121,7 +136,7 @@ class LowPassDenoiser(Denoiser):
         """Filter a stacked batch ``x`` (B, ...) along data ``axis`` (≥ 0, not counting the batch dim)."""
         if self.kernel == "laplacian":
             dims: list[int] = [axis + 1] if self.laplacian_dims == 1 or x.dim() == 2 else [1, 2]
-            return filters.laplacian_smooth(x, self.sigma, dims)
+            return filters.laplacian_smooth(x, self.kernel_width, dims)
         assert self._taps is not None
         return filters.apply_kernel(x, self._taps, axis + 1)
 
@@ -137,7 +152,7 @@ class LowPassDenoiser(Denoiser):
             smoothed = self.filter_batch(torch.stack([v for _, v in members]), ax)
             for b, (i, _) in enumerate(members):
                 out[i] = smoothed[b].reshape(grads[i].tensor.shape)
-        self.diagnostics = {"filtered": sum(len(m) for m in groups.values())}
+        self.stats = {"filtered": sum(len(m) for m in groups.values())}
         self._filtered = {i for members in groups.values() for i, _ in members}
         return out
 
@@ -147,5 +162,19 @@ class LowPassDenoiser(Denoiser):
         return ["colored" if i in getattr(self, "_filtered", set()) else 1.0 for i in range(len(grads))]
 
     def __repr__(self) -> str:
-        extra = "" if self.kernel == "binomial5" else f", sigma={self.sigma}"
+        extra = "" if self.kernel == "binomial5" else f", kernel_width={self.kernel_width}"
         return f"LowPassDenoiser(kernel={self.kernel!r}{extra}, role_axes={self.role_axes})"
+
+
+def _kernel_width(kernel_width: float | None, sigma: float | None) -> float | None:
+    """``kernel_width``, or its deprecated keyword name ``sigma`` (with a ``DeprecationWarning``)."""
+    if sigma is None:
+        return kernel_width
+    if kernel_width is not None:
+        raise TypeError("LowPassDenoiser: pass kernel_width= only (sigma= is its deprecated name)")
+    warnings.warn(
+        "LowPassDenoiser(sigma=...) is deprecated: the kernel width is kernel_width= (sigma is the noise std)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return sigma

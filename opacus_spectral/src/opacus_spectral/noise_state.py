@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .denoiser import DenoiserProtocol, declares_noise
+from .denoiser import DenoiserProtocol, declares_noise, selects_record
 from .parameters import ParamInfo
 from .records import NOISE_COLORED, NOISE_ISOTROPIC, NOISE_UNKNOWN, NoisyGradient
 
@@ -36,23 +36,42 @@ class NoiseState:
             for i, t, s, k in zip(infos, tensors, self.sigmas, self.kinds, strict=True)
         ]
 
-    def apply(self, d: DenoiserProtocol, dname: str, records: Sequence[NoisyGradient], kept: Sequence[bool]) -> str:
-        """Apply ``d``'s declaration to the records it changed (not ``kept``); returns a warning ('' if none)."""
+    def apply(
+        self,
+        d: DenoiserProtocol,
+        dname: str,
+        records: Sequence[NoisyGradient],
+        kept: Sequence[bool],
+        index: Sequence[int] | None = None,
+    ) -> str:
+        """Apply ``d``'s declaration to the records it was handed (``records``, at ``index`` in the step; ``None``:
+        all) and changed (not ``kept``); returns a warning ('' if none).
+
+        A callable that declares nothing makes the noise of the records it was not handed unknown as well, as it
+        did when every callable was handed every record (its outputs count as ``"unknown"``).
+        """
         values, problem = _declaration(d, records)
         silent = not declares_noise(d)
-        for i, v in enumerate(values):
-            if kept[i]:
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
-                self.sigmas[i] *= float(v)  # kinds other than isotropic stay as they are
-            elif isinstance(v, str) and v == NOISE_COLORED:
-                if self.kinds[i] == NOISE_ISOTROPIC:
-                    self.kinds[i] = NOISE_COLORED
-            else:
-                if silent and self.kinds[i] != NOISE_UNKNOWN:
-                    self.undeclared[i] = dname
-                self.kinds[i] = NOISE_UNKNOWN
+        positions = range(len(records)) if index is None else index
+        for k, v, keep in zip(positions, values, kept, strict=True):
+            if not keep:
+                self._declare(k, v, silent, dname)
+        if index is not None and silent:
+            for k in sorted(set(range(len(self.kinds))).difference(index)):
+                self._declare(k, NOISE_UNKNOWN, silent, dname)
         return f"denoiser {dname!r}: output_noise {problem}; noise unknown" if problem else ""
+
+    def _declare(self, k: int, v: Any, silent: bool, dname: str) -> None:
+        """Record ``k`` after a declared value ``v``: a gain scales its std, a kind changes its kind."""
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+            self.sigmas[k] *= float(v)  # kinds other than isotropic stay as they are
+        elif isinstance(v, str) and v == NOISE_COLORED:
+            if self.kinds[k] == NOISE_ISOTROPIC:
+                self.kinds[k] = NOISE_COLORED
+        else:
+            if silent and self.kinds[k] != NOISE_UNKNOWN:
+                self.undeclared[k] = dname
+            self.kinds[k] = NOISE_UNKNOWN
 
     def switch_off(self, d: DenoiserProtocol, dname: str, infos: Sequence[ParamInfo]) -> str:
         """Why ``d`` (``needs_isotropic_noise``) will skip records an undeclared callable made unknown ('' if not)."""
@@ -69,10 +88,9 @@ class NoiseState:
 
 
 def _selects(d: DenoiserProtocol, info: ParamInfo) -> bool:
-    """``d.selects(name, role)``; a missing or failing selector counts as selecting (the warning is then kept)."""
-    selects = getattr(d, "selects", None)
+    """Whether ``d`` selects ``info``; a failing selector counts as selecting (the warning is then kept)."""
     try:
-        return selects is None or bool(selects(info.name, info.role))
+        return selects_record(d, info.name, info.role)
     except Exception:  # noqa: BLE001 - a broken selector must not abort the step before the denoiser runs
         return True
 

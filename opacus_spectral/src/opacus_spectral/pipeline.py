@@ -26,6 +26,11 @@ The same fused per-tensor norms serve the finiteness check and the norm bound: o
 
 A denoiser that needs isotropic noise (``needs_isotropic_noise``, e.g. ``rmt``) placed after a callable that
 declares no output noise would skip those records every step; the pipeline warns once about it, naming both.
+
+Record selection is the pipeline's (:mod:`~opacus_spectral.selection`): a denoiser that declares a ``selector``
+is handed only the records it selects, in step order; the other records keep their tensor and their noise (a
+callable that declares no output noise still makes their noise unknown, as it does for the records it was
+handed). A callable without a selector is handed every record.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ from typing import Any, Literal
 
 import torch
 
-from .denoiser import DenoiserProtocol, denoiser_name
+from .denoiser import (
+    DenoiserProtocol,
+    GradientEstimator,
+    declared_selector,
+    denoiser_name,
+    describe_selector,
+    published_stats,
+)
+from .denoiser import selects_record as _selects_record
 from .noise_state import NoiseState
 from .parameters import ParamInfo
 from .records import NoisyGradient
-from .validation import TensorSpec, output_bounds, output_problem
+from .validation import TensorSpec, noise_norms, output_bounds, output_problem
 
 OnError = Literal["raise", "fallback"]
 OnNonFinite = Literal["raise", "skip_step", "ignore"]
@@ -99,6 +112,14 @@ def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
     return torch.stack([n.to(tensors[0].device) for n in norms])
 
 
+def _splice(current: Sequence[torch.Tensor], index: Sequence[int], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``current`` with ``outs[j]`` at ``index[j]``."""
+    new = list(current)
+    for k, o in zip(index, outs, strict=True):
+        new[k] = o
+    return new
+
+
 def _cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     num = sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True))
     na = sum(float(x.double().pow(2).sum()) for x in a) ** 0.5
@@ -140,6 +161,8 @@ class PostNoisePipeline:
         self.step = 0
         #: diagnostics of the most recent :meth:`run` that completed (kept even when ``history=0``)
         self.last_step: StepDiagnostics | None = None
+        #: (record set and noise std, their expected noise norms on the device): reused while they stay the same
+        self._noise_norms: tuple[tuple[Any, ...], torch.Tensor] | None = None
 
     @staticmethod
     def _unique_names(denoisers: Sequence[DenoiserProtocol]) -> list[str]:
@@ -151,18 +174,50 @@ class PostNoisePipeline:
         return names
 
     def check_selection(self, infos: Sequence[ParamInfo]) -> None:
-        """Warn once per denoiser whose selector (``selects(name, role)``) matches none of ``infos``."""
+        """Warn once per denoiser whose selector (:func:`~opacus_spectral.denoiser.selects_record`) matches none
+        of ``infos``."""
         for d, dname in zip(self.denoisers, self.names, strict=True):
-            selects = getattr(d, "selects", None)
-            if selects is None or not infos or any(selects(i.name, i.role) for i in infos):
+            if not infos or (declared_selector(d) is None and getattr(d, "selects", None) is None):
+                continue
+            if any(_selects_record(d, i.name, i.role) for i in infos):
                 continue
             roles = sorted({i.role for i in infos})
             warnings.warn(
                 f"denoiser {dname!r} selects none of the {len(infos)} parameters of this optimizer (their roles: "
-                f"{roles}); its selector is {getattr(d, 'selector', lambda: '?')()}. It will do nothing.",
+                f"{roles}); its selector is {describe_selector(d)}. It will do nothing.",
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+    def selection(self, d: DenoiserProtocol, infos: Sequence[ParamInfo]) -> list[int] | None:
+        """Indices of the records ``d`` is handed (its declared selector); ``None``: every record."""
+        selector = declared_selector(d)
+        if selector is None or selector.everything:
+            return None
+        index = [k for k, i in enumerate(infos) if selector.matches(i.name, i.role)]
+        return None if len(index) == len(infos) else index
+
+    def gradient_estimator(self, module: torch.nn.Module) -> GradientEstimator | None:
+        """The pre-clip gradient estimator one of the denoisers offers for ``module`` (``gradient_estimator``,
+        ``docs/plugins.md``), or ``None``; two denoisers offering one is a ``ValueError``."""
+        found: list[tuple[str, GradientEstimator]] = []
+        for d, dname in zip(self.denoisers, self.names, strict=True):
+            offer = getattr(d, "gradient_estimator", None)
+            estimator = offer(module) if callable(offer) else None
+            if estimator is not None:
+                if not callable(getattr(estimator, "backward", None)):
+                    raise TypeError(
+                        f"denoiser {dname!r}: gradient_estimator returned {type(estimator).__name__}, which has no "
+                        "backward(loss_fn) method (opacus_spectral.GradientEstimator)"
+                    )
+                found.append((dname, estimator))
+        if len(found) > 1:
+            names = ", ".join(repr(n) for n, _ in found)
+            raise ValueError(
+                f"denoisers {names} each replace the training loop's backward with a gradient estimator; a step has "
+                "one backward: keep one of them in post_hooks"
+            )
+        return found[0][1] if found else None
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -212,7 +267,7 @@ class PostNoisePipeline:
             return self._nonfinite(diag, infos, in_finite, t_start)
         checks = None
         if self.denoisers and in_finite is not None:
-            checks = (in_finite, self._bound(current, in_finite, sigma))
+            checks = (in_finite, self._bound(current, specs, in_finite, sigma))
         noisy_ref = [g.clone() for g in current] if self.oracle else None
         noise = NoiseState(len(current), sigma)  # the noise each record carries, as the denoisers declare it
         for d, dname in zip(self.denoisers, self.names, strict=True):
@@ -223,19 +278,21 @@ class PostNoisePipeline:
             records = noise.records(infos, inputs, self.step)
             self.diagnostics.calls[dname] += 1
             entry: dict[str, Any] = {"fallbacks": 0}
-            new = self._apply(d, dname, records, current, specs, checks, infos, entry)
-            if new is None:  # fallback for the whole denoiser
+            applied = self._apply(d, dname, records, current, specs, checks, infos, entry)
+            if applied is None:  # fallback for the whole denoiser
                 entry["fallbacks"] = len(current)
                 diag.denoisers[dname] = entry
                 continue
-            kept = [a is b for a, b in zip(new, current, strict=True)]  # fallback: the input was kept
+            new, index = applied
+            handed = range(len(current)) if index is None else index
+            kept = [new[k] is current[k] for k in handed]  # fallback: the input was kept
             n_fb = sum(kept) if self.on_error == "fallback" else 0
             entry["fallbacks"] = n_fb
-            self._warn_once(dname, "declare", noise.apply(d, dname, records, kept))
+            self._warn_once(dname, "declare", noise.apply(d, dname, [records[k] for k in handed], kept, index))
             current = new
             entry["seconds"] = time.perf_counter() - t0
-            extra = getattr(d, "diagnostics", None)
-            if isinstance(extra, dict) and extra:
+            extra = published_stats(d)
+            if extra:
                 entry.update(extra)
             diag.denoisers[dname] = entry
         if self.oracle and clean is not None and noisy_ref is not None:
@@ -253,16 +310,25 @@ class PostNoisePipeline:
         checks: tuple[torch.Tensor, torch.Tensor] | None,
         infos: Sequence[ParamInfo],
         entry: dict[str, Any],
-    ) -> list[torch.Tensor] | None:
-        """Call ``d`` and validate what it returns; ``None`` when the whole denoiser falls back."""
+    ) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        """Hand ``d`` the records it selects and validate what it returns: the step's tensors after it and the
+        indices it was handed (``None``: all); ``None`` when the whole denoiser falls back."""
         try:
-            outs = self._outputs(dname, records, d(records))
+            index = self.selection(d, infos)
+            if index is None:
+                handed, refs, spec = records, current, specs
+            else:
+                handed = [records[k] for k in index]
+                refs, spec = [current[k] for k in index], [specs[k] for k in index]
+            outs = self._outputs(dname, handed, d(handed))
             if outs is None:
                 return None
-            new = self._validate(dname, records, outs, current, specs)
+            new = self._validate(dname, handed, outs, refs, spec)
+            if index is not None:  # the records it was not handed keep their tensor
+                new = _splice(current, index, new)
             if checks is not None:
                 self._check_values(dname, new, current, *checks, infos)
-            return new
+            return new, index
         except (DenoiserError, KeyboardInterrupt):
             raise
         except BaseException as exc:  # noqa: BLE001 - every denoiser failure goes through the policy
@@ -302,10 +368,18 @@ class PostNoisePipeline:
         self._finish(diag, t_start)
         return None
 
-    def _bound(self, current: Sequence[torch.Tensor], in_finite: torch.Tensor, sigma: float) -> torch.Tensor:
-        """Largest admissible output norm per tensor (:func:`~opacus_spectral.validation.output_bounds`)."""
-        norms = _norms(current, 2.0) if self.max_output_ratio is not None else in_finite.float()
-        return output_bounds(norms, in_finite, [t.numel() for t in current], sigma, self.max_output_ratio)
+    def _bound(
+        self, current: Sequence[torch.Tensor], specs: Sequence[TensorSpec], in_finite: torch.Tensor, sigma: float
+    ) -> torch.Tensor:
+        """Largest admissible output norm per tensor (:func:`~opacus_spectral.validation.output_bounds`); the
+        expected noise norms are computed once per record set and noise std, then reused."""
+        if self.max_output_ratio is None:
+            return torch.full_like(in_finite, float("inf"), dtype=torch.float32)
+        key = (tuple(specs), float(sigma))
+        if self._noise_norms is None or self._noise_norms[0] != key:
+            numels = [t.numel() for t in current]
+            self._noise_norms = (key, noise_norms(numels, sigma, in_finite.device))
+        return output_bounds(_norms(current, 2.0), in_finite, self._noise_norms[1], self.max_output_ratio)
 
     def _outputs(self, dname: str, records: Sequence[NoisyGradient], result: Any) -> list[Any] | None:
         """One output per record (``None`` entries keep the record's tensor); ``None`` if unusable (fallback)."""

@@ -130,6 +130,34 @@ def _check_no_retained_storage(
         )
 
 
+def _check_resume(
+    factory: Callable[[], Any],
+    name: str,
+    infos: Sequence[ParamInfo],
+    layout: Sequence[tuple[str, str, tuple[int, ...]]],
+    sigma: float,
+    steps: int,
+    device: str | torch.device,
+) -> None:
+    """A state saved after ``steps`` steps and loaded into a fresh instance continues as the uninterrupted run;
+    ``reset()`` restores the start."""
+    full = PostNoisePipeline([factory()])
+    first = PostNoisePipeline([factory()])
+    seq = [make_gradients(s, sigma=sigma, layout=layout, device=device) for s in range(2 * steps)]
+    ref_out = [_run(full, g, infos, sigma) for g in seq]
+    for g in seq[:steps]:
+        _run(first, g, infos, sigma)
+    buf = io.BytesIO()
+    torch.save(first.denoisers[0].state_dict(), buf)
+    buf.seek(0)
+    resumed = PostNoisePipeline([factory()])
+    resumed.denoisers[0].load_state_dict(torch.load(buf, weights_only=False))
+    for s in range(steps, 2 * steps):
+        assert _equal(_run(resumed, seq[s], infos, sigma), ref_out[s]), f"{name}: resume differs at step {s}"
+    full.denoisers[0].reset()
+    assert _equal(_run(full, seq[0], infos, sigma), ref_out[0]), f"{name}: reset() did not restore the start"
+
+
 def check_denoiser(
     factory: Callable[[], Any],
     *,
@@ -193,21 +221,7 @@ def check_denoiser(
 
     # 6. state_dict round trip
     if stateful:
-        full = PostNoisePipeline([factory()])
-        first = PostNoisePipeline([factory()])
-        seq = [make_gradients(s, sigma=sigma, layout=layout, device=device) for s in range(2 * steps)]
-        ref_out = [_run(full, g, infos, sigma) for g in seq]
-        for g in seq[:steps]:
-            _run(first, g, infos, sigma)
-        buf = io.BytesIO()
-        torch.save(first.denoisers[0].state_dict(), buf)
-        buf.seek(0)
-        resumed = PostNoisePipeline([factory()])
-        resumed.denoisers[0].load_state_dict(torch.load(buf, weights_only=False))
-        for s in range(steps, 2 * steps):
-            assert _equal(_run(resumed, seq[s], infos, sigma), ref_out[s]), f"{name}: resume differs at step {s}"
-        full.denoisers[0].reset()
-        assert _equal(_run(full, seq[0], infos, sigma), ref_out[0]), f"{name}: reset() did not restore the start"
+        _check_resume(factory, name, infos, layout, sigma, steps, device)
 
     # 7. a declared output-noise gain is the measured one
     _check_declared_noise(factory, name, infos, layout, sigma, steps, device)

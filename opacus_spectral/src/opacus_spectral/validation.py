@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["TensorSpec", "output_bounds", "output_problem", "storage_fits"]
+__all__ = ["TensorSpec", "noise_norms", "output_bounds", "output_problem", "storage_fits"]
 
 
 class TensorSpec(NamedTuple):
@@ -72,14 +72,23 @@ def output_problem(o: Any, spec: TensorSpec) -> str | None:
     return None
 
 
+def noise_norms(numels: Sequence[int], sigma: float, device: torch.device) -> torch.Tensor:
+    """``s·√numel_i`` per tensor (float32, on ``device``): the expected noise norms of a record set; ``s`` counts as
+    0 when it is not a positive finite number. Constant while the record set and ``s`` are: the pipeline computes it
+    once per record set, not every step (a host list copied to the device)."""
+    s = float(sigma) if math.isfinite(float(sigma)) and float(sigma) > 0 else 0.0
+    return torch.tensor([s * math.sqrt(n) for n in numels], dtype=torch.float32).to(device)
+
+
 def output_bounds(
-    norms: torch.Tensor, in_finite: torch.Tensor, numels: Sequence[int], sigma: float, ratio: float | None
+    norms: torch.Tensor, in_finite: torch.Tensor, noise: torch.Tensor, ratio: float | None
 ) -> torch.Tensor:
-    """Largest admissible output norm per tensor (module docstring); infinite when ``ratio`` is ``None``."""
+    """Largest admissible output norm per tensor (module docstring); infinite when ``ratio`` is ``None``.
+
+    ``noise`` is :func:`noise_norms` of the step's tensors.
+    """
     if ratio is None:
         return torch.full_like(in_finite, float("inf"), dtype=torch.float32)
-    s = float(sigma) if math.isfinite(float(sigma)) and float(sigma) > 0 else 0.0
-    noise = torch.tensor([s * math.sqrt(n) for n in numels], dtype=torch.float32).to(norms.device)
     own = torch.where(in_finite, norms.float(), 0.0)
     ref = torch.maximum(own, noise)
     total = own.double().pow(2).sum().sqrt().float()

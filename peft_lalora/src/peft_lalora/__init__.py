@@ -11,6 +11,7 @@ from .export import export_as_lora, to_lora_config
 from .factors import LoraFactor, find_lora_factors, lalora_param_groups
 from .model import LALoraModel
 from .registration import is_registered, register
+from .schedule import AlternationSchedule
 
 register()
 
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALTERNATION_MODES",
     "AlternationController",
+    "AlternationSchedule",
     "LALoraConfig",
     "LALoraModel",
     "LALoraPeftType",

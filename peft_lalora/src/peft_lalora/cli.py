@@ -4,7 +4,7 @@
 the four LoRA schemes of the LA-LoRA paper (four ``LALoraConfig.alternation`` modes) and an optional low-pass
 filter, in-process (default) or on a real local Flower federation, and writes a JSON result: test accuracy
 per round, each client's ε at δ, and the full configuration. Its flags are the fields of
-:class:`~peft_lalora.federated.federation.FederationConfig` (one flag per field, same name), plus how to run
+:class:`~peft_lalora.federated.config.FederationConfig` (one flag per field, same name), plus how to run
 it. Defaults are the library's except three, which follow what docs/results.md §9 measured best (FFA-LoRA
 with SGD at lr 1; AdamW drove the federated training loss up): ``--algo ffa-lora --optimizer sgd --lr 1``.
 ``--save-adapter DIR`` writes the trained adapter (LALoRA in DIR, plain LoRA in DIR/lora).
@@ -78,7 +78,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .federated.federation import FederationConfig
+    from .federated.config import FederationConfig
 
     parser = argparse.ArgumentParser(prog="peft-lalora", description="LA-LoRA tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The ``FederationConfig`` of parsed ``federate`` arguments."""
-    from .federated.federation import FederationConfig
+    from .federated.config import FederationConfig
 
     return dataclass_from_args(FederationConfig, args)
 
@@ -146,7 +146,7 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
     if args.runner == "flower":
-        from .federated.launcher import run_flower
+        from .federated.flower.run import run_flower
 
         out = run_flower(
             cfg,

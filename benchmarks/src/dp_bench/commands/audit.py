@@ -164,7 +164,7 @@ def train(
     data: torch.utils.data.Dataset,
     *,
     method: str,
-    sigma: float,
+    noise_multiplier: float,
     batch: int,
     physical: int,
     steps: int,
@@ -186,7 +186,7 @@ def train(
         module=model,
         optimizer=opt_,
         data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-        noise_multiplier=sigma,
+        noise_multiplier=noise_multiplier,
         max_grad_norm=1.0,
         poisson_sampling=True,
         post_hooks=hooks,
@@ -215,14 +215,14 @@ def _kind(method: str) -> str:
 
 
 def white_box(cfg: Config, task: Any, methods: list[str]) -> list[dict[str, Any]]:
-    sigma = cfg.steps**0.5 / cfg.mu
+    noise_multiplier = cfg.steps**0.5 / cfg.mu
     rows = []
     for method in methods:
         run = train(
             build("mlp", cfg.seed),
             task.train,
             method=method,
-            sigma=sigma,
+            noise_multiplier=noise_multiplier,
             batch=cfg.batch,
             physical=cfg.physical_batch,
             steps=cfg.steps,
@@ -248,7 +248,7 @@ def white_box(cfg: Config, task: Any, methods: list[str]) -> list[dict[str, Any]
                 "fdp_guesses": fdp.num_guesses,
                 "fdp_correct": fdp.num_correct,
                 "epsilon_accountant_data": float(run["engine"].get_epsilon(cfg.delta)),
-                "sigma": sigma,
+                "sigma": noise_multiplier,  # the noise multiplier (key kept: stored results replot)
                 "steps": can.steps,
                 **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
                 "test_accuracy": evaluate(run["module"], task.test, None)["accuracy"],
@@ -279,7 +279,7 @@ def black_box(cfg: Config, task: Any) -> list[dict[str, Any]]:
             build("mlp", cfg.seed),
             data,
             method=method,
-            sigma=cfg.bb_sigma,
+            noise_multiplier=cfg.bb_sigma,
             batch=cfg.bb_batch,
             physical=cfg.physical_batch,
             steps=cfg.bb_steps,
@@ -317,7 +317,7 @@ def validity_run(cfg: Config, data: torch.utils.data.Dataset, method: str, seed:
         model,
         data,
         method=method,
-        sigma=cfg.steps**0.5 / cfg.mu,
+        noise_multiplier=cfg.steps**0.5 / cfg.mu,
         batch=cfg.fv_batch,
         physical=cfg.fv_batch,
         steps=cfg.steps,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,18 +108,17 @@ def method_hooks(method: str) -> list[str]:
 
 
 def calibrate(eps: float, sample_rate: float, steps: int, delta: float = 1e-5) -> float:
-    from opacus.accountants.utils import get_noise_multiplier
+    """The noise multiplier for ``eps`` at ``delta`` (PRV): :func:`opacus_spectral.noise_multiplier_for`."""
+    from opacus_spectral import noise_multiplier_for
 
-    return float(
-        get_noise_multiplier(
-            target_epsilon=eps, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant="prv"
-        )
+    return noise_multiplier_for(
+        target_epsilon=eps, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant="prv"
     )
 
 
 def hook_specs(names: Sequence[str]) -> list[Any]:
-    """post_hooks for a method: ``rmt`` with per-matrix diagnostics (which matrices were gated)."""
-    return [("rmt_paper", {"diagnostics": True}) if n == "rmt" else n for n in names]  # paper A's setting
+    """post_hooks for a method: ``rmt`` with per-matrix stats (which matrices were gated)."""
+    return [("rmt_paper", {"per_matrix_stats": True}) if n == "rmt" else n for n in names]  # paper A's setting
 
 
 def planned_runs(args: Config) -> list[tuple[str, float, int]]:
@@ -156,17 +155,9 @@ def run_key(method: str, eps: float, seed: int) -> str:
     return f"{method}|{eps:g}|{seed}"
 
 
-def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    quiet_warnings()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    task = frozen_text_task(
-        args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
-    )
+def new_result(args: Config, argv: Sequence[str] | None, task: Any, path: Path) -> dict[str, Any]:
+    """The stored runs (``--resume``) or none, with this invocation's command, configuration, data and machine."""
     n_train = len(task.train)
-    q = args.batch_size / n_train
-    path = args.out / "centralized.json"
     result: dict[str, Any]
     if args.resume and path.is_file():
         result = json.loads(path.read_text())
@@ -177,18 +168,82 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             "command": command_line("centralized", argv),
             "config": as_json(args),
             "data": dict(task.info, train=n_train, test=len(task.test)),
-            "sample_rate": q,
+            "sample_rate": args.batch_size / n_train,
             "versions": versions(),
             "machine": machine(),
         }
     )
+    return result
+
+
+def train_run(
+    args: Config,
+    task: Any,
+    tr: Trainable,
+    method: str,
+    eps: float,
+    seed: int,
+    eval_at: Sequence[int],
+    acc0: dict[int, float],
+) -> dict[str, Any]:
+    """Train one (method, ε, seed) and return its record; ``acc0``: the step-0 test accuracy per seed (the
+    seed's fresh model is evaluated once, every method of the seed starts from it)."""
+    from tqdm.auto import tqdm
+
+    nm = calibrate(eps, args.batch_size / len(task.train), args.steps)
+    top = build_top(task, tr, seed)
+    if seed not in acc0:
+        acc0[seed] = evaluate(top, task.test, task.input_names)["accuracy"]
+    r = run_dp(
+        top,
+        task.train,
+        task.test,
+        input_names=task.input_names,
+        post_hooks=hook_specs(method_hooks(method)),
+        noise_multiplier=nm,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        seed=seed,
+        lr=args.lr,
+        max_grad_norm=args.max_grad_norm,
+        physical_batch=args.physical_batch,
+        eval_at=eval_at,
+        desc=f"{method} eps={eps:g} s{seed}",
+    )
+    key = run_key(method, eps, seed)
+    tqdm.write(f"{key:<24} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  {r['train_seconds']:.0f}s")
+    return {
+        "method": method,
+        "hooks": method_hooks(method),
+        "target_epsilon": eps,
+        "epsilon": r["epsilon"],
+        "seed": seed,
+        "noise_multiplier": nm,
+        "curve": [(0, acc0[seed])] + r["curve"],
+        "train_seconds": r["train_seconds"],
+        "per_step": r["per_step"],
+    }
+
+
+def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Train the planned runs (:func:`planned_runs`) not yet in ``<out>/centralized.json``, saving it after each;
+    then the analysis, the JSON and the plot."""
+    from tqdm.auto import tqdm
+
+    quiet_warnings()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    task = frozen_text_task(
+        args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
+    )
+    path = args.out / "centralized.json"
+    result = new_result(args, argv, task, path)
     tr = Trainable.parse(args.trainable)
     eval_at = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     acc0: dict[int, float] = {}
     plan = planned_runs(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    from tqdm.auto import tqdm
-
     bar = tqdm(plan, desc="centralized grid", unit="run")
     for method, eps, seed in bar:
         key = run_key(method, eps, seed)
@@ -198,40 +253,7 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             tqdm.write(f"time budget {args.time_budget}s reached: not starting {key} and later runs")
             result["stopped_by_time_budget"] = True
             break
-        nm = calibrate(eps, q, args.steps)
-        top = build_top(task, tr, seed)
-        if seed not in acc0:
-            acc0[seed] = evaluate(top, task.test, task.input_names)["accuracy"]
-        r = run_dp(
-            top,
-            task.train,
-            task.test,
-            input_names=task.input_names,
-            post_hooks=hook_specs(method_hooks(method)),
-            noise_multiplier=nm,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            seed=seed,
-            lr=args.lr,
-            max_grad_norm=args.max_grad_norm,
-            physical_batch=args.physical_batch,
-            eval_at=eval_at,
-            desc=f"{method} eps={eps:g} s{seed}",
-        )
-        result["runs"][key] = {
-            "method": method,
-            "hooks": method_hooks(method),
-            "target_epsilon": eps,
-            "epsilon": r["epsilon"],
-            "seed": seed,
-            "noise_multiplier": nm,
-            "curve": [(0, acc0[seed])] + r["curve"],
-            "train_seconds": r["train_seconds"],
-            "per_step": r["per_step"],
-        }
-        tqdm.write(
-            f"{key:<24} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  {r['train_seconds']:.0f}s"
-        )
+        result["runs"][key] = train_run(args, task, tr, method, eps, seed, eval_at, acc0)
         result["wall_seconds"] = time.perf_counter() - t_start
         path.write_text(json.dumps(result, default=float))
     bar.close()
@@ -246,14 +268,18 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- analysis
 
 
-def analyze(result: dict[str, Any]) -> dict[str, Any]:
-    runs = list(result["runs"].values())
-    cfg = result["config"]
-    steps = cfg["steps"]
-    out: dict[str, Any] = {}
-    by = {}
+def _by_cell(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, float], dict[int, dict[str, Any]]]:
+    """The runs by (method, ε), then by seed."""
+    by: dict[tuple[str, float], dict[int, dict[str, Any]]] = {}
     for r in runs:
         by.setdefault((r["method"], r["target_epsilon"]), {})[r["seed"]] = r
+    return by
+
+
+def _baseline_curves(
+    by: dict[tuple[str, float], dict[int, dict[str, Any]]],
+) -> tuple[dict[int, list[tuple[float, float]]], dict[float, float]]:
+    """The baseline's (ε, final accuracy) per seed, and its mean final accuracy per ε."""
     base_curves: dict[int, list[tuple[float, float]]] = {}
     for (m, e), seeds in by.items():
         if m == BASELINE:
@@ -263,69 +289,107 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
     for (m, e), seeds in by.items():
         if m == BASELINE:
             mean_base[e] = float(np.mean([r["curve"][-1][1] for r in seeds.values()]))
+    return base_curves, mean_base
+
+
+def _paired(
+    seeds: dict[int, dict[str, Any]],
+    base: dict[int, dict[str, Any]],
+    base_curves: dict[int, list[tuple[float, float]]],
+    e: float,
+    steps: int,
+) -> tuple[list[float], int, list[float | str]]:
+    """Per seed against the same-seed baseline: the step speed-up (seeds that reached its final accuracy), how
+    many reached it, and the ε saved (or why not: the flag of :func:`eps_at_accuracy`)."""
+    speed, reached = [], 0
+    eps_saved: list[float | str] = []
+    for s, r in seeds.items():
+        if s in base:
+            t = crossing_step(r["curve"], base[s]["curve"][-1][1])
+            if t is not None:
+                reached += 1
+                speed.append(1.0 - t / steps)
+        if s in base_curves:
+            eb, flag = eps_at_accuracy(base_curves[s], r["curve"][-1][1])
+            eps_saved.append((1.0 - e / eb) if eb else flag)
+    return speed, reached, eps_saved
+
+
+def _speedup_mean_curve(seeds: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], steps: int) -> float | None:
+    """The step speed-up of the mean curve over the seeds both have (``None``: none, or never reached)."""
+    common = [s for s in seeds if s in base]
+    if not common:
+        return None
+    mean_curve = _mean_curve([seeds[s] for s in common])
+    t = crossing_step(mean_curve, float(np.mean([base[s]["curve"][-1][1] for s in common])))
+    return None if t is None else 1.0 - t / steps
+
+
+def _gate_stats(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The ``rmt`` gates: gated matrix-steps with a cosine gain (all, encoder only), gated and matrix counts."""
+    records = [x for r in seeds.values() for x in r["per_step"]]
+    encoder = [dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n]) for x in records]
+    return {
+        "gated_gain": gated_gain_stats(records),
+        "encoder_gated_gain": gated_gain_stats(encoder),
+        "gated": int(sum(sum(x.get("gated", 0) for x in r["per_step"]) for r in seeds.values())),
+        "matrices": int(sum(sum(x.get("matrices", 0) for x in r["per_step"]) for r in seeds.values())),
+    }
+
+
+def _cell(
+    m: str,
+    e: float,
+    seeds: dict[int, dict[str, Any]],
+    base: dict[int, dict[str, Any]],
+    base_curves: dict[int, list[tuple[float, float]]],
+    mean_base: dict[float, float],
+    steps: int,
+) -> dict[str, Any]:
+    """The analysis of one (method ``m``, ε ``e``) over its ``seeds``, against the baseline's runs ``base``."""
+    finals = [r["curve"][-1][1] for r in seeds.values()]
+    ckpts = [s for s, _ in next(iter(seeds.values()))["curve"]]
+    acc_ck = {str(s): mean_std([dict(map(tuple, r["curve"]))[s] for r in seeds.values()]) for s in ckpts}
+    speed, reached, eps_saved = _paired(seeds, base, base_curves, e, steps)
+    eb_mean, flag_mean = eps_at_accuracy(sorted(mean_base.items()), float(np.mean(finals)))
+    cos = [global_cos_stats(r["per_step"]) for r in seeds.values()]
+    return {
+        "method": m,
+        "epsilon": e,
+        "seeds": sorted(seeds),
+        "final_acc": mean_std(finals),
+        "acc_at": acc_ck,
+        "speedup": mean_std(speed) if speed else (float("nan"), float("nan")),
+        "speedup_per_seed": speed,
+        "speedup_mean_curve": _speedup_mean_curve(seeds, base, steps),
+        "reached_baseline_final": reached,
+        "n_with_baseline": sum(1 for s in seeds if s in base),
+        "eps_saved_per_seed": eps_saved,
+        "eps_saved": mean_std([x for x in eps_saved if isinstance(x, float)]),
+        "eps_baseline_equal_acc_mean": eb_mean if eb_mean else flag_mean,
+        "eps_saved_mean_curve": (1.0 - e / eb_mean) if eb_mean else flag_mean,
+        "cos_noisy": mean_std([c["cos_noisy"] for c in cos]),
+        "cos_denoised": mean_std([c["cos_denoised"] for c in cos]),
+        "cos_rel_gain": mean_std([c["rel_gain"] for c in cos]),
+        **_gate_stats(seeds),
+        "seconds_per_step": mean_std([r["train_seconds"] / max(1, len(r["per_step"])) for r in seeds.values()]),
+        "rmt_seconds_per_step": mean_std(
+            [float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]])) for r in seeds.values()]
+        ),
+    }
+
+
+def analyze(result: dict[str, Any]) -> dict[str, Any]:
+    """Per (method, ε) of ``--epsilons`` (:func:`_cell`; the baseline first within an ε), and the baseline's mean
+    final accuracy per ε (``_baseline_eps_curve``, the curve of "ε saved")."""
+    cfg = result["config"]
+    by = _by_cell(result["runs"].values())
+    base_curves, mean_base = _baseline_curves(by)
+    out: dict[str, Any] = {}
     for (m, e), seeds in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0] != BASELINE, kv[0][0])):
         if e not in cfg["epsilons"]:
             continue
-        base = by.get((BASELINE, e), {})
-        finals = [r["curve"][-1][1] for r in seeds.values()]
-        ckpts = [s for s, _ in next(iter(seeds.values()))["curve"]]
-        acc_ck = {str(s): mean_std([dict(map(tuple, r["curve"]))[s] for r in seeds.values()]) for s in ckpts}
-        speed, reached = [], 0
-        eps_saved = []
-        for s, r in seeds.items():
-            if s in base:
-                t = crossing_step(r["curve"], base[s]["curve"][-1][1])
-                if t is not None:
-                    reached += 1
-                    speed.append(1.0 - t / steps)
-            if s in base_curves:
-                eb, flag = eps_at_accuracy(base_curves[s], r["curve"][-1][1])
-                eps_saved.append((1.0 - e / eb) if eb else flag)
-        eb_mean, flag_mean = eps_at_accuracy(sorted(mean_base.items()), float(np.mean(finals)))
-        speed_mean_curve = None
-        common = [s for s in seeds if s in base]
-        if common:  # mean curves over the seeds both have
-            mean_curve = _mean_curve([seeds[s] for s in common])
-            t = crossing_step(mean_curve, float(np.mean([base[s]["curve"][-1][1] for s in common])))
-            speed_mean_curve = None if t is None else 1.0 - t / steps
-        gated = gated_gain_stats([x for r in seeds.values() for x in r["per_step"]])
-        enc_gated = gated_gain_stats(
-            [
-                dict(x, gated_names=[n for n in x.get("gated_names", []) if "classifier" not in n])
-                for r in seeds.values()
-                for x in r["per_step"]
-            ]
-        )
-        n_gated = [sum(x.get("gated", 0) for x in r["per_step"]) for r in seeds.values()]
-        n_mats = [sum(x.get("matrices", 0) for x in r["per_step"]) for r in seeds.values()]
-        cos = [global_cos_stats(r["per_step"]) for r in seeds.values()]
-        out[f"{m}|{e:g}"] = {
-            "method": m,
-            "epsilon": e,
-            "seeds": sorted(seeds),
-            "final_acc": mean_std(finals),
-            "acc_at": acc_ck,
-            "speedup": mean_std(speed) if speed else (float("nan"), float("nan")),
-            "speedup_per_seed": speed,
-            "speedup_mean_curve": speed_mean_curve,
-            "reached_baseline_final": reached,
-            "n_with_baseline": sum(1 for s in seeds if s in base),
-            "eps_saved_per_seed": eps_saved,
-            "eps_saved": mean_std([x for x in eps_saved if isinstance(x, float)]),
-            "eps_baseline_equal_acc_mean": eb_mean if eb_mean else flag_mean,
-            "eps_saved_mean_curve": (1.0 - e / eb_mean) if eb_mean else flag_mean,
-            "cos_noisy": mean_std([c["cos_noisy"] for c in cos]),
-            "cos_denoised": mean_std([c["cos_denoised"] for c in cos]),
-            "cos_rel_gain": mean_std([c["rel_gain"] for c in cos]),
-            "gated_gain": gated,
-            "encoder_gated_gain": enc_gated,
-            "gated": int(sum(n_gated)),
-            "matrices": int(sum(n_mats)),
-            "seconds_per_step": mean_std([r["train_seconds"] / max(1, len(r["per_step"])) for r in seeds.values()]),
-            "rmt_seconds_per_step": mean_std(
-                [float(np.mean([x.get("rmt_seconds", 0.0) for x in r["per_step"]])) for r in seeds.values()]
-            ),
-        }
+        out[f"{m}|{e:g}"] = _cell(m, e, seeds, by.get((BASELINE, e), {}), base_curves, mean_base, cfg["steps"])
     out["_baseline_eps_curve"] = {
         f"{e:g}": mean_std([r["curve"][-1][1] for r in by[(BASELINE, e)].values()]) for e in sorted(mean_base)
     }

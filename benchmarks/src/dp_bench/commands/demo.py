@@ -323,7 +323,7 @@ def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str)
     rec = arm["recorded"][step]
     mats = {"clean": rec["clean"][name], "noisy": rec["noisy"][name], "denoised": rec["denoised"][name]}
     sigma = next(e["sigma"] for e in arm["per_step"] if e["step"] == step)
-    from opacus_spectral.diagnostics import plot_spectrum
+    from opacus_spectral.spectrum_report import plot_spectrum
 
     p = out / "demo_spectrum.png"
     plot_spectrum(
@@ -348,8 +348,9 @@ def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str)
 
 
 def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from opacus.accountants.utils import get_noise_multiplier
     from tqdm.auto import tqdm
+
+    from opacus_spectral import noise_multiplier_for
 
     quiet_warnings()
     if cfg.threads:
@@ -368,7 +369,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_cache = time.perf_counter() - t0
     n_train, n_test = len(task.train), len(task.test)
     sample_rate = cfg.batch_size / n_train
-    nm = get_noise_multiplier(
+    nm = noise_multiplier_for(
         target_epsilon=cfg.epsilon, target_delta=cfg.delta, sample_rate=sample_rate, steps=cfg.steps, accountant="prv"
     )
     info = task.info

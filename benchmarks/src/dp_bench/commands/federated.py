@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft_lalora.federated.federation import FederationConfig
+from peft_lalora.federated.config import FederationConfig
 from peft_lalora.federated.task import Task, build_task
 
 from ..config import as_json, command_line, opt, parse_config, same_config

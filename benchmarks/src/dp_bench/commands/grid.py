@@ -58,8 +58,9 @@ from ..train import run_dp
 from ..vision import build
 from . import grid_report as report
 
-#: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk" also
-#: needs DiSK's two-point gradient in the loop (per-sample gradients: hooks mode)
+#: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk"'s
+#: denoiser also offers DiSK's two-point gradient, which :func:`dp_bench.train.run_dp` trains with (per-sample
+#: gradients: it picks the hooks mode the estimator declares)
 METHODS: dict[str, tuple[list[Any], float | None]] = {
     "none": ([], None),
     "rmt": ([("rmt_paper", {"warn_after": 0})], None),
@@ -178,11 +179,10 @@ def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, see
 
 
 def calibrate(eps: float, q: float, steps: int, delta: float = 1e-5) -> float:
-    from opacus.accountants.utils import get_noise_multiplier
+    """The noise multiplier for ``eps`` at ``delta`` (PRV): :func:`opacus_spectral.noise_multiplier_for`."""
+    from opacus_spectral import noise_multiplier_for
 
-    return float(
-        get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps, accountant="prv")
-    )
+    return noise_multiplier_for(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps, accountant="prv")
 
 
 def rdp_epsilon(nm: float, q: float, steps: int, delta: float = 1e-5) -> float:
@@ -236,6 +236,53 @@ class ReleasedOracle:
                 self.per_matrix.append((step, i, self._cos(r_i, c_i), float(r_i.norm() / c_i.norm().clamp_min(1e-300))))
 
 
+def method_setup(cfg: Config, method: str, eps: float, q: float, steps: int) -> tuple[list[Any], float, float, float]:
+    """``(post_hooks, SGD momentum, noise multiplier, clipping bound)`` of a method at ``eps``: the references
+    run without noise (the non-private one without clipping either)."""
+    if method == "nonprivate":
+        return [], cfg.momentum, 0.0, 1e6
+    if method == "clip-only":
+        return [], cfg.momentum, 0.0, cfg.max_grad_norm
+    hooks, momentum = METHODS[method]
+    return hooks, cfg.momentum if momentum is None else momentum, calibrate(eps, q, steps), cfg.max_grad_norm
+
+
+def checkpoints_at(cfg: Config, steps: int) -> list[int]:
+    """The ``--checkpoints`` evaluation steps of a run, with 0 and the last step."""
+    every = max(1, steps // cfg.checkpoints)
+    return sorted({0, *range(every, steps + 1, every), steps})
+
+
+def bed_options(cfg: Config, task: ImageTask | FrozenTextTask, batch: int) -> dict[str, Any]:
+    """The bed's options of :func:`run_dp`: physical batch, evaluation batch, length-sorted Poisson batches."""
+    sort = isinstance(task, FrozenTextTask) and cfg.physical_batch > 0
+    # evaluation splits sorted by length (load_task): small batches trim their padding (accuracy is batch-free;
+    # MiniLM at 128 rather than 2,000 per batch: evaluation ≈ 2× faster)
+    return {
+        "physical_batch": cfg.physical_batch or batch,
+        "eval_batch": cfg.physical_batch if sort else 2000,
+        "sort_by": lengths(task.train) if sort else None,
+    }
+
+
+def outcome(r: dict[str, Any], oracle: ReleasedOracle, nm: float, q: float, steps: int) -> dict[str, Any]:
+    """The measured part of a run's record: ε (PRV, RDP beside it), curves, released-update oracle, gates."""
+    gated = [e.get("gated") for e in r["per_step"] if "gated" in e]
+    return {
+        "epsilon_prv": float(r["epsilon"]) if nm else None,
+        "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None,
+        "test": r["curve"],
+        "val": r["curves"]["val"],
+        "final_test": r["curve"][-1][1],
+        "final_val": r["curves"]["val"][-1][1],
+        "cos": oracle.cos,
+        "norm_ratio": oracle.norm_ratio,
+        "per_matrix": oracle.per_matrix,
+        "gated_per_step": sum(gated) / len(gated) if gated else None,
+        "train_seconds": r["train_seconds"],
+    }
+
+
 def one_run(
     cfg: Config,
     task: ImageTask | FrozenTextTask,
@@ -248,28 +295,10 @@ def one_run(
     steps: int,
 ) -> dict[str, Any]:
     """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates)."""
-    n = len(task.train)
-    q = batch / n
-    if method == "nonprivate":
-        hooks, momentum, nm, clip = [], None, 0.0, 1e6
-    elif method == "clip-only":
-        hooks, momentum, nm, clip = [], None, 0.0, cfg.max_grad_norm
-    else:
-        hooks, momentum = METHODS[method]
-        nm, clip = calibrate(eps, q, steps), cfg.max_grad_norm
+    q = batch / len(task.train)
+    hooks, momentum, nm, clip = method_setup(cfg, method, eps, q, steps)
     model = new_model(cfg, task, seed)
-    gradient, mode = None, cfg.grad_sample_mode
-    if method == "disk":
-        from opacus_spectral_disk import DiskGradient
-
-        gradient, mode = (lambda m: DiskGradient(m, kappa=0.7, gamma=0.5)), "hooks"
-    every = max(1, steps // cfg.checkpoints)
-    eval_at = sorted({0, *range(every, steps + 1, every), steps})
     oracle = ReleasedOracle()
-    sort = isinstance(task, FrozenTextTask) and cfg.physical_batch > 0
-    # evaluation splits sorted by length (load_task): small batches trim their padding (accuracy is batch-free;
-    # MiniLM at 128 rather than 2,000 per batch: evaluation ≈ 2× faster)
-    eval_batch = cfg.physical_batch if sort else 2000
     t0 = time.perf_counter()
     r = run_dp(
         model,
@@ -283,22 +312,18 @@ def one_run(
         seed=seed,
         lr=lr,
         optimizer=optimizer,
-        momentum=cfg.momentum if momentum is None else momentum,
+        momentum=momentum,
         max_grad_norm=clip,
-        physical_batch=cfg.physical_batch or batch,
-        eval_at=eval_at,
-        eval_batch=eval_batch,
+        eval_at=checkpoints_at(cfg, steps),
         oracle=False,
         per_param=False,
-        sort_by=lengths(task.train) if sort else None,
-        grad_sample_mode=mode,
+        grad_sample_mode=cfg.grad_sample_mode,
         allow_non_private=nm == 0.0,
         desc=f"{method} {optimizer} B{batch}",
         on_step=oracle if nm > 0 else None,
         eval_sets={"val": task.val},
-        gradient=gradient,
+        **bed_options(cfg, task, batch),
     )
-    gated = [e.get("gated") for e in r["per_step"] if "gated" in e]
     return {
         "method": method,
         "optimizer": optimizer,
@@ -309,17 +334,7 @@ def one_run(
         "steps": steps,
         "noise_multiplier": nm,
         "sample_rate": q,
-        "epsilon_prv": float(r["epsilon"]) if nm else None,
-        "epsilon_rdp": rdp_epsilon(nm, q, steps) if nm else None,
-        "test": r["curve"],
-        "val": r["curves"]["val"],
-        "final_test": r["curve"][-1][1],
-        "final_val": r["curves"]["val"][-1][1],
-        "cos": oracle.cos,
-        "norm_ratio": oracle.norm_ratio,
-        "per_matrix": oracle.per_matrix,
-        "gated_per_step": sum(gated) / len(gated) if gated else None,
-        "train_seconds": r["train_seconds"],
+        **outcome(r, oracle, nm, q, steps),
         "wall_seconds": time.perf_counter() - t0,
     }
 

@@ -201,8 +201,9 @@ def median_time(fn: Any, device: torch.device, reps: int) -> float:
     return statistics.median(ts)
 
 
-def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
-    """Regime (a): one case (``lora`` / ``full``) at initialisation."""
+def _case_step(case: str, args: Config, device: torch.device) -> tuple[list[nn.Parameter], str, Switch, Any]:
+    """Regime (a) set-up: the model of ``case`` under DP (random-token batches, switchable ``rmt``), and its
+    ``step(i, on)`` (one timed DP step on batch ``i``, with or without the denoiser)."""
     model, source = prepare(case, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-4)
@@ -238,6 +239,11 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
         sync(device)
         return time.perf_counter() - t0
 
+    return params, source, switch, step
+
+
+def _case_abba(step: Any, switch: Switch, args: Config) -> dict[str, Any]:
+    """Warm-up steps, then ``2 * steps`` steps with and without the denoiser in ABBA order, summarised."""
     for i in range(args.warmup):
         step(i, i % 2 == 0)
     switch.seconds.clear()
@@ -247,13 +253,14 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     for i in range(2 * args.steps):
         on = ABBA[i % 4]
         (t_on if on else t_off).append(step(args.warmup + i, on))
-    summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
-    switch.capture = True
-    step(0, False)
-    records = switch.captured or []
-    mats = [r for r in records if matrix_view(r.tensor) is not None and r.role in ("weight", "lora_A", "lora_B")]
-    grad_bytes = sum(r.tensor.numel() * r.tensor.element_size() for r in mats)
+    return step_summary(t_on, t_off, switch.seconds, switch.gated)
 
+
+def _batched_vs_naive(
+    records: Sequence[NoisyGradient], args: Config, device: torch.device
+) -> tuple[float, float, float]:
+    """Median times of the batched denoiser and the naive per-matrix loop, and their largest relative
+    difference."""
     # returns replacements: the captured records stay the noisy input
     batched = RMTDenoiser(inplace=False, **PAPER_SETTING)
     batched(records)  # warm-up
@@ -266,17 +273,35 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
         ref = r.tensor if b is None else b
         got = r.tensor if a is None else a
         max_rel = max(max_rel, float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)))
-    peak = denoiser_peak_memory(records, device)
+    return t_batched, t_naive, max_rel
+
+
+def _matrix_shapes(mats: Sequence[NoisyGradient]) -> dict[str, int]:
+    """Count of the denoised matrices per shape (``"rowsxcols"``)."""
     shapes: dict[str, int] = {}
     for r in mats:
         key = "x".join(map(str, matrix_view(r.tensor).shape))  # type: ignore[union-attr]
         shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
+    """Regime (a): one case (``lora`` / ``full``) at initialisation."""
+    params, source, switch, step = _case_step(case, args, device)
+    summary = _case_abba(step, switch, args)
+    switch.capture = True
+    step(0, False)
+    records = switch.captured or []
+    mats = [r for r in records if matrix_view(r.tensor) is not None and r.role in ("weight", "lora_A", "lora_B")]
+    grad_bytes = sum(r.tensor.numel() * r.tensor.element_size() for r in mats)
+    t_batched, t_naive, max_rel = _batched_vs_naive(records, args, device)
+    peak = denoiser_peak_memory(records, device)
     return {
         "regime": "a (initialisation)",
         "weights": source,
         "trainable_params": sum(p.numel() for p in params),
         "denoised_matrices": len(mats),
-        "matrix_shapes": shapes,
+        "matrix_shapes": _matrix_shapes(mats),
         "sigma": records[0].sigma if records else math.nan,
         **summary,
         "batched_s": t_batched,
@@ -289,27 +314,46 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     }
 
 
-def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
-    """Regime (b): DP-LoRA r = 16 after ``warm_train`` non-private AdamW steps on Rotten Tomatoes, DP steps at
-    logical batch ``warm_batch`` (physical ``warm_physical``), with and without ``rmt`` (ABBA)."""
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-
-    model, source = prepare("lora", device)
+def _warm_columns(args: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Rotten Tomatoes train split tokenised at ``warm_seq``: ``{column: tensor}`` and the model input names."""
     _, tok = load_minilm(num_labels=2)
     data = tokenize(load_rotten_tomatoes("auto", test_size=0.2, seed=0), tok, max_length=args.warm_seq)["train"]
     cols = data[:]  # {column: tensor} over the model columns
     names = [c for c in ("input_ids", "attention_mask", "token_type_ids") if c in cols]
-    crit = nn.CrossEntropyLoss()
-    params = [p for p in model.parameters() if p.requires_grad]
+    return cols, names
+
+
+def _warm_train(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    cols: dict[str, torch.Tensor],
+    names: list[str],
+    crit: nn.Module,
+    args: Config,
+    device: torch.device,
+) -> None:
+    """``warm_train`` non-private AdamW steps (batch 32): LoRA B leaves zero, the gradients gain signal."""
     torch.manual_seed(0)
     warm_opt = torch.optim.AdamW(params, lr=args.warm_lr)
     n_rows = cols["label"].shape[0]
-    for i in range(args.warm_train):  # non-private warm-up: LoRA B leaves zero, the gradients gain signal
+    for i in range(args.warm_train):
         rows = torch.arange(i * 32, (i + 1) * 32) % n_rows
         warm_opt.zero_grad(set_to_none=True)
         out = model(**{c: cols[c][rows].to(device) for c in names})
         crit(out.logits, cols["label"][rows].to(device)).backward()
         warm_opt.step()
+
+
+def _warm_private(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    cols: dict[str, torch.Tensor],
+    names: list[str],
+    args: Config,
+    device: torch.device,
+) -> tuple[Any, Any, Any, Switch]:
+    """The warm model under DP at lr 0 with a switchable ``rmt``, on ``2 * warm_steps + 1`` logical batches."""
+    n_rows = cols["label"].shape[0]
     steps = 2 * args.warm_steps + 1
     rows = torch.randperm(n_rows, generator=torch.Generator().manual_seed(1))[: steps * args.warm_batch]
     ds = torch.utils.data.TensorDataset(*(cols[c][rows] for c in (*names, "label")))
@@ -326,6 +370,23 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
         poisson_sampling=False,
         post_hooks=[switch],
     )
+    return gsm, dp_opt, dl, switch
+
+
+def _warm_abba(
+    gsm: Any,
+    dp_opt: Any,
+    dl: Any,
+    switch: Switch,
+    names: list[str],
+    crit: nn.Module,
+    args: Config,
+    device: torch.device,
+) -> tuple[list[float], list[float]]:
+    """Logical steps through BatchMemoryManager: step 0 warms up, then ABBA; step times with and without."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    steps = 2 * args.warm_steps + 1
     t_on: list[float] = []
     t_off: list[float] = []
     with BatchMemoryManager(data_loader=dl, max_physical_batch_size=args.warm_physical, optimizer=dp_opt) as mem:
@@ -349,6 +410,19 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
                 switch.gated.clear()
                 continue
             (t_on if on else t_off).append(dt)
+    return t_on, t_off
+
+
+def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
+    """Regime (b): DP-LoRA r = 16 after ``warm_train`` non-private AdamW steps on Rotten Tomatoes, DP steps at
+    logical batch ``warm_batch`` (physical ``warm_physical``), with and without ``rmt`` (ABBA)."""
+    model, source = prepare("lora", device)
+    cols, names = _warm_columns(args)
+    crit = nn.CrossEntropyLoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+    _warm_train(model, params, cols, names, crit, args, device)
+    gsm, dp_opt, dl, switch = _warm_private(model, params, cols, names, args, device)
+    t_on, t_off = _warm_abba(gsm, dp_opt, dl, switch, names, crit, args, device)
     n_mats = int(switch.inner.diagnostics["matrices"])
     summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
     summary["gated_fraction"] = summary["gated_per_step"] / n_mats if n_mats else math.nan

@@ -141,35 +141,36 @@ def lora_shapes(records: Sequence[Any]) -> dict[str, int]:
     return shapes
 
 
-def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
-    """One module set: warm-up (memory, captured gradients), ABBA steps, offline timing of both settings."""
+def _logical_step(it: Any, per_logical: int, gsm: Any, dp_opt: Any, handle: Any, device: torch.device) -> Any:
+    """One logical DP step over ``per_logical`` physical batches of ``it`` (checked: exactly one DP step)."""
+
+    def logical_step() -> None:
+        before = handle.logical_steps
+        for _ in range(per_logical):
+            (x,) = next(it)
+            x = x.to(device)
+            dp_opt.zero_grad(set_to_none=True)
+            causal_lm_loss(gsm(input_ids=x).logits, x).backward()
+            dp_opt.step()
+        if handle.logical_steps != before + 1:
+            raise RuntimeError(f"expected one logical DP step, got {handle.logical_steps - before}")
+
+    return logical_step
+
+
+def _abba_steps(
+    case: str, args: Config, device: torch.device, gsm: Any, dp_opt: Any, loader: Any, handle: Any, switch: Switch
+) -> tuple[dict[str, list[float]], dict[str, int], int]:
+    """Warm-up (the first one: memory peak, captured gradients), then the ABBA steps: step and pipeline times
+    (``on`` / ``off`` / ``pipe_on`` / ``pipe_off``), the memory entries and the physical batches per step."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    load0 = os.getloadavg()
     n_steps = args.warmup + 2 * args.steps
-    model, ids, source = load_model(args.model, n_steps * args.batch, args.seq)
-    gsm, dp_opt, loader, handle, switch = wrap(model.to(device), case, args, ids)
-    n_trainable = sum(p.numel() for p in gsm.parameters() if p.requires_grad)
-    t_on: list[float] = []
-    t_off: list[float] = []
-    pipe_on: list[float] = []
-    pipe_off: list[float] = []
+    times: dict[str, list[float]] = {"on": [], "off": [], "pipe_on": [], "pipe_off": []}
     mem: dict[str, int] = {}
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=args.physical, optimizer=dp_opt) as bmm:
-        it = iter(bmm)
         per_logical = -(-args.batch // args.physical)
-
-        def logical_step() -> None:
-            before = handle.logical_steps
-            for _ in range(per_logical):
-                (x,) = next(it)
-                x = x.to(device)
-                dp_opt.zero_grad(set_to_none=True)
-                causal_lm_loss(gsm(input_ids=x).logits, x).backward()
-                dp_opt.step()
-            if handle.logical_steps != before + 1:
-                raise RuntimeError(f"expected one logical DP step, got {handle.logical_steps - before}")
-
+        logical_step = _logical_step(iter(bmm), per_logical, gsm, dp_opt, handle, device)
         for i in range(n_steps):
             warm = i < args.warmup
             switch.on = True if warm else ABBA[(i - args.warmup) % 4]  # warm-up: the denoiser's first calls too
@@ -189,10 +190,21 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             if warm:
                 continue
-            (t_on if switch.on else t_off).append(dt)
-            (pipe_on if switch.on else pipe_off).append(handle.pipeline.last_step.seconds)
+            times["on" if switch.on else "off"].append(dt)
+            times["pipe_on" if switch.on else "pipe_off"].append(handle.pipeline.last_step.seconds)
             print(f"[{case}] step {i}: {'with' if switch.on else 'without'} rmt {dt:.2f} s", flush=True)
-    summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
+    return times, mem, per_logical
+
+
+def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
+    """One module set: warm-up (memory, captured gradients), ABBA steps, offline timing of both settings."""
+    load0 = os.getloadavg()
+    n_steps = args.warmup + 2 * args.steps
+    model, ids, source = load_model(args.model, n_steps * args.batch, args.seq)
+    gsm, dp_opt, loader, handle, switch = wrap(model.to(device), case, args, ids)
+    n_trainable = sum(p.numel() for p in gsm.parameters() if p.requires_grad)
+    times, mem, per_logical = _abba_steps(case, args, device, gsm, dp_opt, loader, handle, switch)
+    summary = step_summary(times["on"], times["off"], switch.seconds, switch.gated)
     records = switch.captured or []
     offline = offline_timings(records, args.reps, device, summary["step_s_without"])
     mem["denoiser_peak_extra_bytes_rmt_paper"] = denoiser_peak_memory(records, device)
@@ -212,10 +224,10 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
         "physical_batches_per_step": per_logical,
         **summary,
         "share_rmt_in_step": summary["overhead_ratio"],
-        "pipeline_s_with": statistics.median(pipe_on),
-        "pipeline_s_without": statistics.median(pipe_off),
-        "pipeline_s_with_spread": spread(pipe_on),
-        "pipeline_s_without_spread": spread(pipe_off),
+        "pipeline_s_with": statistics.median(times["pipe_on"]),
+        "pipeline_s_without": statistics.median(times["pipe_off"]),
+        "pipeline_s_with_spread": spread(times["pipe_on"]),
+        "pipeline_s_without_spread": spread(times["pipe_off"]),
         "offline": offline,
         "memory": mem,
         "loadavg_start": load0,

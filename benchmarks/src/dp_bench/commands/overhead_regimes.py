@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser
-from opacus_spectral.spectral import bulk_edge, rmt_denoise
+from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser, bulk_edge, rmt_denoise
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine
@@ -155,8 +154,11 @@ def run_synthetic(
     return out
 
 
-def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """DP steps of one ``dim × dim`` Linear layer: gate shut, gate open (rank ≤ 8 clean gradient), no denoiser."""
+def _big_layer(
+    dim: int, batch: int, seq: int, device: torch.device, seed: int
+) -> tuple[Callable[[int, bool, float], float], Switch, list[torch.Tensor]]:
+    """One ``dim × dim`` Linear layer under DP (lr 0; rank ≤ 8 inputs), a switchable ``rmt`` after a pass-through
+    that captures the first noisy gradient, and ``step(i, on, nm)``: one timed DP step at noise multiplier nm."""
     gen = torch.Generator().manual_seed(seed)
     basis = torch.linalg.qr(torch.randn(dim, 8, generator=gen))[0].T  # (8, dim) orthonormal rows
     n_ex = batch * 4
@@ -203,12 +205,14 @@ def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.devic
 
         return timed(run, device)[0]
 
-    step(0, False, 1e-12)  # (almost) the clean gradient: its top singular value sets the "open" noise level
-    clean_top = float(torch.linalg.matrix_norm(captured[0].float(), ord=2))
-    edge_per_nm = float(bulk_edge(1.0 / batch, dim, dim))  # edge for noise multiplier 1 (s = nm·C/B)
-    nm_open = clean_top / (2.0 * 1.02 * edge_per_nm)
-    nm_shut = 1.0
-    plan = [("shut", True, nm_shut), ("open", True, nm_open), ("off", False, nm_shut)]
+    return step, switch, captured
+
+
+def _big_abba(
+    step: Callable[[int, bool, float], float], switch: Switch, plan: list[tuple[str, bool, float]], steps: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """One warm-up pass over ``plan``, then ``steps`` rounds (alternately forward and reversed): step times and
+    matrices gated per configuration."""
     for i, (_, on, nm) in enumerate(plan):  # warm-up
         step(i, on, nm)
     times: dict[str, list[float]] = {name: [] for name, _, _ in plan}
@@ -220,6 +224,19 @@ def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.devic
             times[name].append(step(r, on, nm))
             if on:
                 gates[name].append(switch.gated[-1])
+    return times, gates
+
+
+def run_big_step(dim: int, batch: int, seq: int, steps: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """DP steps of one ``dim × dim`` Linear layer: gate shut, gate open (rank ≤ 8 clean gradient), no denoiser."""
+    step, switch, captured = _big_layer(dim, batch, seq, device, seed)
+    step(0, False, 1e-12)  # (almost) the clean gradient: its top singular value sets the "open" noise level
+    clean_top = float(torch.linalg.matrix_norm(captured[0].float(), ord=2))
+    edge_per_nm = float(bulk_edge(1.0 / batch, dim, dim))  # edge for noise multiplier 1 (s = nm·C/B)
+    nm_open = clean_top / (2.0 * 1.02 * edge_per_nm)
+    nm_shut = 1.0
+    plan = [("shut", True, nm_shut), ("open", True, nm_open), ("off", False, nm_shut)]
+    times, gates = _big_abba(step, switch, plan, steps)
     med_shut = statistics.median(times["shut"])
     res = {
         "dim": dim,

@@ -43,7 +43,7 @@ from ..task import frozen_text_task
 from ..train import run_dp
 
 #: the denoiser under study, with per-matrix diagnostics (which matrices were gated)
-RMT = [("rmt_paper", {"diagnostics": True})]  # paper A's setting (κ = 1.02 gate)
+RMT = [("rmt_paper", {"per_matrix_stats": True})]  # paper A's setting (κ = 1.02 gate)
 
 
 @dataclass
@@ -105,6 +105,118 @@ def cell_summary(per_step: Sequence[dict[str, Any]], matrices: Sequence[str]) ->
     }
 
 
+def _run_config(
+    command: Any, traj_steps: int, traj_batch: int, sweep_steps: int, batches: Any, seed: int
+) -> dict[str, Any]:
+    """The settings a trainable's results were produced with (kept per trainable, for merged files)."""
+    return {
+        "command": command,
+        "traj_steps": traj_steps,
+        "traj_batch": traj_batch,
+        "sweep_steps": sweep_steps,
+        "batches": batches,
+        "seed": seed,
+    }
+
+
+def _merge_previous(result: dict[str, Any], args: Config, path: Path) -> None:
+    """``--merge``: keep the other trainables of an earlier ``regime_map.json`` (with their run settings)."""
+    old = json.loads(path.read_text())
+    result["trainables"] = {k: v for k, v in old["trainables"].items() if k not in args.trainables}
+    oc = old["config"]
+    for v in result["trainables"].values():
+        v.setdefault(
+            "run_config",
+            _run_config(
+                old["command"], oc["traj_steps"], oc["traj_batch"], oc["sweep_steps"], oc["batches"], oc["seed"]
+            ),
+        )
+    result["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
+
+
+def _trajectory(task: Any, tr: Trainable, top: torch.nn.Module, args: Config, lr: float) -> dict[str, Any]:
+    """The ``--traj-steps`` DP steps at batch ``--traj-batch`` with ``rmt`` on (trains ``top`` in place)."""
+    return run_dp(
+        top,
+        task.train,
+        task.test,
+        input_names=task.input_names,
+        post_hooks=RMT,
+        noise_multiplier=args.noise_multiplier,
+        batch_size=args.traj_batch,
+        steps=args.traj_steps,
+        seed=args.seed,
+        lr=lr,
+        max_grad_norm=args.max_grad_norm,
+        physical_batch=args.physical_batch,
+        eval_at=[0, args.traj_steps],
+        desc=f"{tr.label} trajectory",
+    )
+
+
+def _sweep_cell(
+    task: Any, tr: Trainable, args: Config, phase: str, b: int, warm_state: dict[str, Any], mats: Sequence[str]
+) -> dict[str, Any]:
+    """One sweep cell: ``--sweep-steps`` DP steps at lr 0 and logical batch ``b``, from the init or warm weights."""
+    cell_top = build_top(task, tr, args.seed)
+    if phase == "warm":
+        cell_top.load_state_dict(warm_state)
+    r = run_dp(
+        cell_top,
+        task.train,
+        task.test,
+        input_names=task.input_names,
+        post_hooks=RMT,
+        noise_multiplier=args.noise_multiplier,
+        batch_size=b,
+        steps=args.sweep_steps,
+        seed=args.seed + 1000 + b,
+        lr=0.0,
+        max_grad_norm=args.max_grad_norm,
+        physical_batch=min(b, args.physical_batch),
+        desc=f"{tr.label} {phase} B={b}",
+    )
+    cell = {"per_step": r["per_step"], "summary": cell_summary(r["per_step"], mats), "seconds": r["train_seconds"]}
+    s = cell["summary"]
+    print(
+        f"{tr.label:<22} {phase:<5} B={b:<5} gated {s['encoder_gated']}/{s['encoder_matrices']} enc "
+        f"({s['gated']}/{s['matrices']} all)  cos {s['global']['cos_noisy']:.3f} -> "
+        f"{s['global']['cos_denoised']:.3f}  gain>0 {s['gated_gain']['positive']}/"
+        f"{s['gated_gain']['gated_layer_steps']}",
+        flush=True,
+    )
+    return cell
+
+
+def _run_trainable(task: Any, spec: str, args: Config, command: Any) -> dict[str, Any]:
+    """Trajectory, then the init/warm batch sweep, of one trainable configuration."""
+    tr = Trainable.parse(spec)
+    lr = args.lr_full if tr.kind == "full" else args.lr
+    top = build_top(task, tr, args.seed)
+    mats = matrix_names(top)
+    traj = _trajectory(task, tr, top, args, lr)
+    warm_state = {k: v.detach().clone() for k, v in top.state_dict().items()}
+    sweep: dict[str, dict[str, Any]] = {}
+    for phase in ("init", "warm"):
+        sweep[phase] = {}
+        for b in args.batches:
+            sweep[phase][str(b)] = _sweep_cell(task, tr, args, phase, b, warm_state, mats)
+    return {
+        "label": tr.label,
+        "lr": lr,
+        "run_config": _run_config(command, args.traj_steps, args.traj_batch, args.sweep_steps, args.batches, args.seed),
+        "matrix_names": mats,
+        "trajectory": {
+            "per_step": traj["per_step"],
+            "curve": traj["curve"],
+            "epsilon": traj["epsilon"],
+            "summary": cell_summary(traj["per_step"], mats),
+            "seconds": traj["train_seconds"],
+        },
+        "sweep": sweep,
+    }
+
+
 def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     quiet_warnings()
     if args.threads:
@@ -123,100 +235,9 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     path = args.out / "regime_map.json"
     if args.merge and path.is_file():
-        old = json.loads(path.read_text())
-        result["trainables"] = {k: v for k, v in old["trainables"].items() if k not in args.trainables}
-        oc = old["config"]
-        for v in result["trainables"].values():
-            v.setdefault(
-                "run_config",
-                {
-                    "command": old["command"],
-                    "traj_steps": oc["traj_steps"],
-                    "traj_batch": oc["traj_batch"],
-                    "sweep_steps": oc["sweep_steps"],
-                    "batches": oc["batches"],
-                    "seed": oc["seed"],
-                },
-            )
-        result["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
+        _merge_previous(result, args, path)
     for spec in args.trainables:
-        tr = Trainable.parse(spec)
-        lr = args.lr_full if tr.kind == "full" else args.lr
-        top = build_top(task, tr, args.seed)
-        mats = matrix_names(top)
-        traj = run_dp(
-            top,
-            task.train,
-            task.test,
-            input_names=task.input_names,
-            post_hooks=RMT,
-            noise_multiplier=args.noise_multiplier,
-            batch_size=args.traj_batch,
-            steps=args.traj_steps,
-            seed=args.seed,
-            lr=lr,
-            max_grad_norm=args.max_grad_norm,
-            physical_batch=args.physical_batch,
-            eval_at=[0, args.traj_steps],
-            desc=f"{tr.label} trajectory",
-        )
-        warm_state = {k: v.detach().clone() for k, v in top.state_dict().items()}
-        sweep: dict[str, dict[str, Any]] = {}
-        for phase in ("init", "warm"):
-            sweep[phase] = {}
-            for b in args.batches:
-                cell_top = build_top(task, tr, args.seed)
-                if phase == "warm":
-                    cell_top.load_state_dict(warm_state)
-                r = run_dp(
-                    cell_top,
-                    task.train,
-                    task.test,
-                    input_names=task.input_names,
-                    post_hooks=RMT,
-                    noise_multiplier=args.noise_multiplier,
-                    batch_size=b,
-                    steps=args.sweep_steps,
-                    seed=args.seed + 1000 + b,
-                    lr=0.0,
-                    max_grad_norm=args.max_grad_norm,
-                    physical_batch=min(b, args.physical_batch),
-                    desc=f"{tr.label} {phase} B={b}",
-                )
-                sweep[phase][str(b)] = {
-                    "per_step": r["per_step"],
-                    "summary": cell_summary(r["per_step"], mats),
-                    "seconds": r["train_seconds"],
-                }
-                s = sweep[phase][str(b)]["summary"]
-                print(
-                    f"{tr.label:<22} {phase:<5} B={b:<5} gated {s['encoder_gated']}/{s['encoder_matrices']} enc "
-                    f"({s['gated']}/{s['matrices']} all)  cos {s['global']['cos_noisy']:.3f} -> "
-                    f"{s['global']['cos_denoised']:.3f}  gain>0 {s['gated_gain']['positive']}/"
-                    f"{s['gated_gain']['gated_layer_steps']}",
-                    flush=True,
-                )
-        result["trainables"][spec] = {
-            "label": tr.label,
-            "lr": lr,
-            "run_config": {
-                "command": result["command"],
-                "traj_steps": args.traj_steps,
-                "traj_batch": args.traj_batch,
-                "sweep_steps": args.sweep_steps,
-                "batches": args.batches,
-                "seed": args.seed,
-            },
-            "matrix_names": mats,
-            "trajectory": {
-                "per_step": traj["per_step"],
-                "curve": traj["curve"],
-                "epsilon": traj["epsilon"],
-                "summary": cell_summary(traj["per_step"], mats),
-                "seconds": traj["train_seconds"],
-            },
-            "sweep": sweep,
-        }
+        result["trainables"][spec] = _run_trainable(task, spec, args, result["command"])
         args.out.mkdir(parents=True, exist_ok=True)
         write(result, args.out)  # partial results survive an interrupted run
     result["wall_seconds"] = time.perf_counter() - t_start

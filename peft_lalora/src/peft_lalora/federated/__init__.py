@@ -1,5 +1,9 @@
 """Federated LA-LoRA: partitioning, DP clients, FedAvg of A/B/head, privacy ledger, two runners.
 
+Modules: :mod:`.config` (the run's :class:`FederationConfig`), :mod:`.builders` (what is built from it),
+:mod:`.task`, :mod:`.partition`, :mod:`.client`, :mod:`.server`, :mod:`.aggregate`, :mod:`.ledger`, the in-process
+runner :mod:`.simulation`, and the Flower deployment in the subpackage :mod:`.flower` (extra ``[flower]``).
+
 Heavy or optional dependencies are imported lazily: partitioning needs ``flwr-datasets`` and the Flower
 app needs ``flwr`` (extra ``[flower]``); the DP client needs ``opacus-spectral`` (extra ``[dp]``).
 """
@@ -33,14 +37,15 @@ _LAZY = {
     "RoundRecord": "server",
     "adapter_state": "client",
     "load_adapter_state": "client",
-    "ALGORITHMS": "federation",
-    "FILTERS": "federation",
-    "FederationConfig": "federation",
+    "ALGORITHMS": "config",
+    "FILTERS": "config",
+    "FederationConfig": "config",
+    "TaskSettings": "config",
     "FederationResult": "server",
     "run_simulation": "simulation",
-    "LocalFederation": "launcher",
-    "run_flower": "launcher",
-    "TLSConfig": "certificates",
+    "LocalFederation": "flower",
+    "run_flower": "flower",
+    "TLSConfig": "flower",
 }
 
 __all__ = [

@@ -214,6 +214,62 @@ def fedavg(
             valid ones would trim nothing (:func:`trim_problem`).
     """
     n = len(states)
+    _check_arguments(n, weights, client_ids, min_clients, server_lr, global_state, max_update_norm)
+    _check_rule(update_norm_policy, rule, trim_fraction)
+    ids = list(client_ids) if client_ids is not None else list(range(n))
+    w_in = (
+        [1.0] * n
+        if weights is None
+        else [float(w) if isinstance(w, numbers.Real) and not isinstance(w, bool) else w for w in weights]
+    )
+    reference = _reference(states, global_state, ids, min_clients)
+    accepted, rejected = _validate_all(states, reference, w_in, ids, min_clients)
+    keys = list(reference)
+    mat, g = _flatten(states, accepted, global_state, keys, reference[keys[0]].device)
+    clipped: list[Any] = []
+    if max_update_norm is not None and g is not None:
+        accepted, mat, clipped = _bound_updates(
+            accepted, mat, g, float(max_update_norm), update_norm_policy, ids, rejected
+        )
+        if len(accepted) < min_clients:
+            detail = "; ".join(f"client {r.client}: {r.reason}" for r in rejected)
+            raise AggregationError(
+                f"only {len(accepted)} update(s) within max_update_norm, need min_clients={min_clients} ({detail})",
+                rejected,
+            )
+    avg, norm_w = _combine(mat, [w_in[i] for i in accepted], rule, trim_fraction, n, rejected)
+    if g is not None and server_lr != 1.0:
+        avg = g + server_lr * (avg - g)
+    out = _unflatten(avg, reference, len(accepted), rejected)
+    factors = dict(Counter(factor_of(k) for k in keys))
+    return AggregationResult(
+        state=out, accepted=accepted, rejected=rejected, weights=norm_w, factors=factors, clipped=clipped
+    )
+
+
+def _flatten(
+    states: Sequence[State], accepted: Sequence[int], global_state: State | None, keys: list[str], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``[m, D]`` float64 matrix of the accepted clients' tensors (in ``keys`` order) and the global state
+    flattened the same way (``None`` without one)."""
+    mat = torch.stack(
+        [torch.cat([states[i][k].detach().to(dev, torch.float64).reshape(-1) for k in keys]) for i in accepted]
+    )
+    if global_state is None:
+        return mat, None
+    return mat, torch.cat([global_state[k].detach().to(dev, torch.float64).reshape(-1) for k in keys])
+
+
+def _check_arguments(
+    n: int,
+    weights: Sequence[float] | None,
+    client_ids: Sequence[Any] | None,
+    min_clients: int,
+    server_lr: float,
+    global_state: State | None,
+    max_update_norm: float | None,
+) -> None:
+    """``ValueError`` for :func:`fedavg` arguments that do not fit together (lengths, ``min_clients``, η, bound)."""
     if weights is not None and len(weights) != n:
         raise ValueError(f"got {n} states but {len(weights)} weights")
     if client_ids is not None and len(client_ids) != n:
@@ -229,6 +285,10 @@ def fedavg(
             raise ValueError(f"max_update_norm must be finite and > 0 or None, got {max_update_norm!r}")
         if global_state is None:
             raise ValueError("max_update_norm needs global_state (an update is state - global_state)")
+
+
+def _check_rule(update_norm_policy: str, rule: str, trim_fraction: float) -> None:
+    """``ValueError`` for an unknown norm policy or rule, or a trim fraction outside [0, 0.5) (> 0 to trim)."""
     if update_norm_policy not in NORM_POLICIES:
         raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}, got {update_norm_policy!r}")
     if rule not in RULES:
@@ -237,13 +297,13 @@ def fedavg(
         raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
     if rule == "trimmed_mean" and trim_fraction == 0:
         raise ValueError("rule='trimmed_mean' with trim_fraction=0 trims nothing: use rule='mean' or trim_fraction > 0")
-    ids = list(client_ids) if client_ids is not None else list(range(n))
-    w_in = (
-        [1.0] * n
-        if weights is None
-        else [float(w) if isinstance(w, numbers.Real) and not isinstance(w, bool) else w for w in weights]
-    )
 
+
+def _reference(
+    states: Sequence[State], global_state: State | None, ids: Sequence[Any], min_clients: int
+) -> Mapping[str, torch.Tensor]:
+    """What updates are validated against: ``global_state``, else the (key, shape, dtype) signature most valid
+    updates share (first occurrence on ties). Floating tensors only."""
     if global_state is not None:
         reference: Mapping[str, torch.Tensor] = global_state
         bad_global = validate_update(global_state, global_state, 1.0)
@@ -272,7 +332,13 @@ def fedavg(
     for k, v in reference.items():
         if not v.is_floating_point():
             raise ValueError(f"cannot average non-floating tensor {k!r} ({v.dtype})")
+    return reference
 
+
+def _validate_all(
+    states: Sequence[State], reference: Mapping[str, torch.Tensor], w_in: Sequence[Any], ids: Sequence[Any], m: int
+) -> tuple[list[int], list[Rejection]]:
+    """Positions of the valid updates and the rejections; :class:`AggregationError` when fewer than ``m`` remain."""
     accepted: list[int] = []
     rejected: list[Rejection] = []
     for i, s in enumerate(states):
@@ -281,66 +347,47 @@ def fedavg(
             accepted.append(i)
         else:
             rejected.append(Rejection(i, ids[i], reason))
-    if len(accepted) < min_clients:
+    if len(accepted) < m:
         detail = "; ".join(f"client {r.client}: {r.reason}" for r in rejected) or "no updates"
         raise AggregationError(
-            f"only {len(accepted)} valid update(s) of {n}, need min_clients={min_clients} ({detail})", rejected
+            f"only {len(accepted)} valid update(s) of {len(states)}, need min_clients={m} ({detail})", rejected
         )
+    return accepted, rejected
 
-    keys = list(reference)
-    dev = reference[keys[0]].device
-    # One [m, D] float64 matrix for all tensors of all accepted clients.
-    mat = torch.stack(
-        [torch.cat([states[i][k].detach().to(dev, torch.float64).reshape(-1) for k in keys]) for i in accepted]
-    )
-    g = (
-        torch.cat([global_state[k].detach().to(dev, torch.float64).reshape(-1) for k in keys])
-        if global_state is not None
-        else None
-    )
-    if max_update_norm is not None and g is not None:
-        accepted, mat, clipped = _bound_updates(
-            accepted, mat, g, float(max_update_norm), update_norm_policy, ids, rejected
-        )
-        if len(accepted) < min_clients:
-            detail = "; ".join(f"client {r.client}: {r.reason}" for r in rejected)
-            raise AggregationError(
-                f"only {len(accepted)} update(s) within max_update_norm, need min_clients={min_clients} ({detail})",
-                rejected,
-            )
-    else:
-        clipped = []
-    total = math.fsum(w_in[i] for i in accepted)
-    norm_w = [w_in[i] / total for i in accepted]
+
+def _combine(
+    mat: torch.Tensor, weights: list[float], rule: str, trim_fraction: float, n: int, rejected: list[Rejection]
+) -> tuple[torch.Tensor, list[float]]:
+    """The rows of ``mat`` averaged by ``rule``, and the normalised weights that were used."""
+    total = math.fsum(weights)
     if rule == "trimmed_mean":
-        problem = trim_problem(trim_fraction, len(accepted))
+        problem = trim_problem(trim_fraction, len(weights))
         if problem is not None:
-            raise AggregationError(f"{len(accepted)} valid update(s) of {n}: {problem}", rejected)
-        avg = _trimmed_mean(mat, trim_fraction)
-        norm_w = [1.0 / len(accepted)] * len(accepted)
-    else:
-        # Σ w_i x_i / Σ w_i: dividing last keeps exact results for integer weights and values.
-        avg = (torch.tensor([w_in[i] for i in accepted], dtype=torch.float64, device=dev) @ mat) / total
-    if g is not None and server_lr != 1.0:
-        avg = g + server_lr * (avg - g)
+            raise AggregationError(f"{len(weights)} valid update(s) of {n}: {problem}", rejected)
+        return _trimmed_mean(mat, trim_fraction), [1.0 / len(weights)] * len(weights)
+    # Σ w_i x_i / Σ w_i: dividing last keeps exact results for integer weights and values.
+    avg = (torch.tensor(weights, dtype=torch.float64, device=mat.device) @ mat) / total
+    return avg, [w / total for w in weights]
+
+
+def _unflatten(
+    avg: torch.Tensor, reference: Mapping[str, torch.Tensor], m: int, rejected: list[Rejection]
+) -> dict[str, torch.Tensor]:
+    """``avg`` cut back into fresh tensors shaped, typed and placed as ``reference``'s; an overflow is an error."""
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for k in keys:
-        ref = reference[k]
+    for k, ref in reference.items():
         numel = ref.numel()
         out[k] = avg[offset : offset + numel].reshape(ref.shape).to(device=ref.device, dtype=ref.dtype).clone()
         offset += numel
-    overflow = [k for k in keys if not bool(torch.isfinite(out[k]).all())]
+    overflow = [k for k in reference if not bool(torch.isfinite(out[k]).all())]
     if overflow:
         raise AggregationError(
-            f"the aggregate of {len(accepted)} finite updates overflows {reference[overflow[0]].dtype} in "
+            f"the aggregate of {m} finite updates overflows {reference[overflow[0]].dtype} in "
             f"{overflow[:5]}: refusing to install an Inf global state (set max_update_norm to bound updates)",
             rejected,
         )
-    factors = dict(Counter(factor_of(k) for k in keys))
-    return AggregationResult(
-        state=out, accepted=accepted, rejected=rejected, weights=norm_w, factors=factors, clipped=clipped
-    )
+    return out
 
 
 def _bound_updates(

@@ -87,10 +87,10 @@ def _os_seed() -> int:
     return secrets.randbits(63)
 
 
-def round_seeds(seed: int, client: int, round_index: int, n: int = 3) -> list[int]:
-    """``n`` independent 63-bit seeds for ``(seed, client, round)`` (``numpy.random.SeedSequence``)."""
+def round_seeds(seed: int, client: int, server_round: int, n: int = 3) -> list[int]:
+    """``n`` independent 63-bit seeds for ``(seed, client, server_round)`` (``numpy.random.SeedSequence``)."""
     ss = np.random.SeedSequence(
-        [int(seed) & 0xFFFFFFFF, int(client) & 0xFFFFFFFF, int(round_index) & 0xFFFFFFFF, 0x1A1A]
+        [int(seed) & 0xFFFFFFFF, int(client) & 0xFFFFFFFF, int(server_round) & 0xFFFFFFFF, 0x1A1A]
     )
     return [int(x) for x in ss.generate_state(n, dtype=np.uint64) >> np.uint64(1)]
 
@@ -177,25 +177,78 @@ class ClientUpdate:
 
 
 def privacy_parameters(config: ClientConfig, num_examples: int) -> tuple[float, float]:
-    """(σ, q) of a client with ``num_examples`` examples: q = 1 / ⌈n / min(B, n)⌉ (Opacus' Poisson rate for its
-    loader) and σ as given or calibrated from ``target_epsilon`` over ``planned_steps``. The server computes the
-    same numbers to charge its privacy ledger without trusting the client's report."""
+    """(noise multiplier, q) of a client with ``num_examples`` examples: q = 1 / ⌈n / min(B, n)⌉ (Opacus' Poisson
+    rate for its loader) and the noise multiplier as given or calibrated from ``target_epsilon`` over
+    ``planned_steps`` (:func:`opacus_spectral.noise_multiplier.noise_multiplier_for`). The server computes the same
+    numbers to charge its privacy ledger without trusting the client's report."""
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}")
     batch = min(config.batch_size, num_examples)
     q = 1.0 / math.ceil(num_examples / batch)
     if config.noise_multiplier is not None:
         return float(config.noise_multiplier), q
-    from opacus.accountants.utils import get_noise_multiplier
+    from opacus_spectral.noise_multiplier import noise_multiplier_for
 
-    sigma = get_noise_multiplier(
+    noise_multiplier = noise_multiplier_for(
         target_epsilon=config.target_epsilon,
         target_delta=config.delta,
         sample_rate=q,
         steps=config.planned_steps,
         accountant=config.accountant,
     )
-    return float(sigma), q
+    return float(noise_multiplier), q
+
+
+def _adapter_model(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``model`` if it is a PeftModel, else ``model`` with the ``peft_config`` adapter attached."""
+    from peft import PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        return model
+    if peft_config is None:
+        raise ValueError("peft_config is required when model is not a PeftModel")
+    return get_peft_model(model, peft_config)
+
+
+def _inner_optimizer(peft_model: nn.Module, config: ClientConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over the LA-LoRA parameter groups (B at ``b_lr_ratio·lr``)."""
+    from ..factors import lalora_param_groups
+
+    groups = lalora_param_groups(peft_model, config.lr, b_lr_ratio=config.b_lr_ratio, weight_decay=config.weight_decay)
+    for g in groups:
+        g.pop("name", None)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def _schedule_of(peft_model: nn.Module) -> Any:
+    """The :class:`~peft_lalora.AlternationSchedule` of the one active adapter (``LALoraConfig.schedule``); ``None``
+    for a plain LoRA adapter or several active ones (the controller then resolves it, and refuses what it must)."""
+    from ..config import LALoraConfig
+
+    active = list(getattr(peft_model, "active_adapters", None) or [])
+    config = getattr(peft_model, "peft_config", {}).get(active[0]) if len(active) == 1 else None
+    return config.schedule if isinstance(config, LALoraConfig) else None
+
+
+def _server_round(server_round: Any, round_index: Any) -> int:
+    """The 1-based round of :meth:`DPClient.fit` from ``server_round`` or the deprecated ``round_index=`` keyword
+    (the same 1-based number); ``ValueError`` unless it is an integer >= 1."""
+    if round_index is not None:
+        if server_round is not None:
+            raise TypeError("pass server_round (or the deprecated round_index=, the same 1-based number), not both")
+        warnings.warn(
+            "DPClient.fit(round_index=...) is deprecated: pass server_round= (the same 1-based number)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        server_round = round_index
+    if server_round is None:
+        raise TypeError("DPClient.fit() needs server_round, the 1-based federated round")
+    if isinstance(server_round, bool) or int(server_round) != server_round or server_round < 1:
+        raise ValueError(f"server_round is the 1-based federated round, got {server_round!r}")
+    return int(server_round)
 
 
 # ----------------------------------------------------------------------------------------------- client
@@ -225,13 +278,6 @@ class DPClient:
         seed: int = 0,
         loss_fn: LossFn = sequence_classification_loss,
     ) -> None:
-        from peft import PeftModel, get_peft_model
-
-        import opacus_spectral
-
-        from ..controller import AlternationController
-        from ..factors import lalora_param_groups
-
         self.client_id = int(client_id)
         self.config = config
         if config.reproducible_noise:
@@ -246,45 +292,39 @@ class DPClient:
         if self.num_examples < 1:
             raise ValueError(f"client {client_id} has no training examples")
         device = torch.device(config.device)
-        if isinstance(model, PeftModel):
-            peft_model = model
-        else:
-            if peft_config is None:
-                raise ValueError("peft_config is required when model is not a PeftModel")
-            peft_model = get_peft_model(model, peft_config)
-        peft_model.to(device).train()
-        self.peft_model = peft_model
-        self.params = trainable_parameters(peft_model)
+        self.peft_model = _adapter_model(model, peft_config).to(device).train()
+        self.params = trainable_parameters(self.peft_model)
         if not self.params:
             raise ValueError("the adapter has no trainable parameters")
-
-        groups = lalora_param_groups(
-            peft_model, config.lr, b_lr_ratio=config.b_lr_ratio, weight_decay=config.weight_decay
-        )
-        for g in groups:
-            g.pop("name", None)
-        if config.optimizer == "adamw":
-            inner: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
-        else:
-            inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-
         # Seeded from OS entropy here and again at every round (or from round_seeds when reproducible).
         self._sampler_gen = torch.Generator()
         self._sampler_gen.manual_seed(_os_seed())
         self._noise_gen = None if config.secure_mode else torch.Generator(device=device)
         if self._noise_gen is not None:
             self._noise_gen.manual_seed(_os_seed())
+        self.noise_multiplier, self.sample_rate = privacy_parameters(config, self.num_examples)
+        self._make_private(train_data)
+        self.rounds_run = 0
+        self.total_steps = 0
+        self.last_round = 0  #: last federated round run (1-based; 0 = none yet); older/equal ones are refused
+
+    def _make_private(self, train_data: torch.utils.data.Dataset) -> None:
+        """The optimizer (:func:`_inner_optimizer`), Opacus' wrapping of model, optimizer and Poisson loader (built
+        once per client), and the alternation controller on the adapter's :class:`~peft_lalora.AlternationSchedule`."""
+        import opacus_spectral
+
+        from ..controller import AlternationController
+
+        config = self.config
         loader = torch.utils.data.DataLoader(
             train_data, batch_size=min(config.batch_size, self.num_examples), shuffle=False, generator=self._sampler_gen
         )
-        sigma, self.sample_rate = privacy_parameters(config, self.num_examples)
-        self.noise_multiplier = sigma
         self.engine = opacus_spectral.PrivacyEngine(accountant=config.accountant, secure_mode=config.secure_mode)
         self.module, self.optimizer, self.loader = self.engine.make_private(
-            module=peft_model,
-            optimizer=inner,
+            module=self.peft_model,
+            optimizer=_inner_optimizer(self.peft_model, config),
             data_loader=loader,
-            noise_multiplier=sigma,
+            noise_multiplier=self.noise_multiplier,
             max_grad_norm=config.max_grad_norm,
             poisson_sampling=True,
             noise_generator=self._noise_gen,
@@ -292,10 +332,7 @@ class DPClient:
             post_hooks=list(config.post_hooks),
             allow_non_private=config.allow_non_private,
         )
-        self.controller = AlternationController(peft_model, self.optimizer)
-        self.rounds_run = 0
-        self.total_steps = 0
-        self.last_round = 0  #: last federated round run (1-based; 0 = none yet); older/equal ones are refused
+        self.controller = AlternationController(self.peft_model, self.optimizer, schedule=_schedule_of(self.peft_model))
 
     # -------------------------------------------------------------------------------------- privacy
     @property
@@ -329,11 +366,11 @@ class DPClient:
         self.last_round = int(state.get("last_round", 0))
 
     # -------------------------------------------------------------------------------------- training
-    def _reseed(self, round_index: int) -> int:
+    def _reseed(self, server_round: int) -> int:
         """Seed the sampler and noise generators for a round; return the seed for torch's global RNG.
         Fresh OS entropy by default, ``round_seeds(seed, client, round)`` only with ``reproducible_noise``."""
         if self.config.reproducible_noise:
-            s_sampler, s_noise, s_torch = round_seeds(self.seed, self.client_id, round_index)
+            s_sampler, s_noise, s_torch = round_seeds(self.seed, self.client_id, server_round)
         else:
             s_sampler, s_noise, s_torch = _os_seed(), _os_seed(), _os_seed()
         self._sampler_gen.manual_seed(s_sampler)
@@ -348,73 +385,84 @@ class DPClient:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _check_round(self, server_round: int) -> int:
+        """``server_round`` if it is a new round for this client; :class:`ReplayedRoundError` otherwise."""
+        if server_round <= self.last_round:
+            raise ReplayedRoundError(
+                f"client {self.client_id}: round {server_round} requested but round {self.last_round} was already "
+                "run; refusing to train a round index twice (a replayed round would release a second update "
+                "of the same round)"
+            )
+        return server_round
+
+    def _local_steps(self, k_steps: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``k_steps`` DP steps on Poisson batches (an empty batch is a pure-noise step); the summed loss of the
+        non-empty batches and their number."""
+        loss_sum = torch.zeros((), device=device)
+        n_loss = 0
+        it = iter(self.loader)
+        for _ in range(k_steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = iter(self.loader)
+                batch = next(it)
+            batch = [t.to(device) for t in batch]
+            if batch[0].shape[0] == 0:
+                self._empty_step()
+                continue
+            loss = self.loss_fn(self.module, batch)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = loss_sum + loss.detach()
+            n_loss += 1
+        return loss_sum, n_loss
+
     def fit(
         self,
         global_state: Mapping[str, torch.Tensor],
-        round_index: int,
+        server_round: int | None = None,
         local_steps: int | None = None,
+        *,
+        round_index: int | None = None,
     ) -> ClientUpdate:
         """Run one round of ``local_steps`` (default ``config.local_steps``) DP steps from ``global_state``.
 
         Args:
             global_state: the global adapter to start from.
-            round_index: the federated round, **1-based** (Flower's ``server_round``); it is the
-                alternation schedule's round ``round_index - 1``. Must exceed every round this client
-                has run before (:class:`ReplayedRoundError` otherwise, before anything is trained).
+            server_round: the federated round, **1-based** (Flower's ``server_round``; the alternation schedule's
+                round is ``server_round - 1``). Must exceed every round this client has run before
+                (:class:`ReplayedRoundError` otherwise, before anything is trained).
             local_steps: overrides ``config.local_steps``.
+            round_index: deprecated keyword for ``server_round`` (the same 1-based number).
         """
         k_steps = self.config.local_steps if local_steps is None else int(local_steps)
         if k_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {k_steps}")
-        if isinstance(round_index, bool) or int(round_index) != round_index or round_index < 1:
-            raise ValueError(f"round_index is the 1-based federated round, got {round_index!r}")
-        round_index = int(round_index)
-        if round_index <= self.last_round:
-            raise ReplayedRoundError(
-                f"client {self.client_id}: round {round_index} requested but round {self.last_round} was already "
-                "run; refusing to train a round index twice (a replayed round would release a second update "
-                "of the same round)"
-            )
+        server_round = self._check_round(_server_round(server_round, round_index))
         load_adapter_state(self.params, global_state)
-        self.last_round = round_index  # consumed even if training fails below: never retried
+        self.last_round = server_round  # consumed even if training fails below: never retried
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.original_optimizer.state.clear()
         pipeline = getattr(self.engine.post_hooks, "pipeline", None)
         if pipeline is not None:
             pipeline.reset()
-        torch_seed = None if self.config.secure_mode else self._reseed(round_index)
+        torch_seed = None if self.config.secure_mode else self._reseed(server_round)
         device = torch.device(self.config.device)
         fork_devices = [device] if device.type == "cuda" else []
         self.module.train()
-        loss_sum = torch.zeros((), device=device)
-        n_loss = 0
         with torch.random.fork_rng(devices=fork_devices, enabled=torch_seed is not None):
             if torch_seed is not None:
                 torch.manual_seed(torch_seed)
-            self.controller.start_round(round_index - 1)  # schedule rounds are 0-based
-            it = iter(self.loader)
-            for _ in range(k_steps):
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    it = iter(self.loader)
-                    batch = next(it)
-                batch = [t.to(device) for t in batch]
-                if batch[0].shape[0] == 0:
-                    self._empty_step()
-                    continue
-                loss = self.loss_fn(self.module, batch)
-                loss.backward()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_sum = loss_sum + loss.detach()
-                n_loss += 1
+            self.controller.start_round(server_round=server_round)
+            loss_sum, n_loss = self._local_steps(k_steps, device)
         self.rounds_run += 1
         self.total_steps += k_steps
         mean_loss = float(loss_sum) / n_loss if n_loss else math.nan
         return ClientUpdate(
             client=self.client_id,
-            round=int(round_index),
+            round=server_round,
             state=adapter_state(self.params),
             num_examples=self.num_examples,
             epsilon=self.epsilon(),

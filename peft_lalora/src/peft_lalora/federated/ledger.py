@@ -49,9 +49,9 @@ def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
     for entry in history:
         if len(entry) != 3:
             raise ValueError(f"history entries are (noise_multiplier, sample_rate, num_steps), got {entry!r}")
-        sigma, q, steps = float(entry[0]), float(entry[1]), entry[2]
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"noise_multiplier must be finite and >= 0, got {sigma!r}")
+        noise_multiplier, q, steps = float(entry[0]), float(entry[1]), entry[2]
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
         if not (0.0 < q <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1], got {q!r}")
         if int(steps) != steps or int(steps) < 0:
@@ -59,10 +59,10 @@ def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
         steps = int(steps)
         if steps == 0:
             continue
-        if out and out[-1][0] == sigma and out[-1][1] == q:
-            out[-1] = (sigma, q, out[-1][2] + steps)
+        if out and out[-1][0] == noise_multiplier and out[-1][1] == q:
+            out[-1] = (noise_multiplier, q, out[-1][2] + steps)
         else:
-            out.append((sigma, q, steps))
+            out.append((noise_multiplier, q, steps))
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .federation import FederationConfig
+    from .config import FederationConfig
     from .partition import Partition
     from .task import Task
 
@@ -57,7 +57,7 @@ class FederationPlan:
 def planned_config(cfg: FederationConfig, task: Task) -> tuple[FederationConfig, Partition]:
     """``cfg`` with the plan of the shared source filled in (``partition_sizes`` and, for a text task, the
     ``num_labels`` the server's model needs), and the partition — computed in the operator's process."""
-    from .federation import build_partition
+    from .builders import build_partition
 
     partition = build_partition(cfg, task)
     sizes = ",".join(str(n) for n in FederationPlan.from_partition(partition).sizes)

@@ -3,7 +3,7 @@
 A reply holds the client's noisy adapter state (the DP release) and these metrics:
 
 * ``partition-id`` — the partition the server assigned (an echo; the server attributes by sender anyway);
-* ``dp-sigma`` / ``dp-q`` / ``dp-steps`` — the client's accountant history ``[(σ, q, steps)]``, which the
+* ``dp-noise-multiplier`` / ``dp-q`` / ``dp-steps`` — the client's accountant history ``[(σ, q, steps)]``, which the
   server can check against what it charged (σ and q follow from the plan's sizes, the steps from its own
   count; :func:`~peft_lalora.federated.ledger.report_problem`).
 
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import ClientUpdate
-    from .federation import FederationConfig
+    from .config import FederationConfig
 
 __all__ = ["NONPRIVATE_METRICS", "REPLY_METRICS", "history_of", "number", "numbers", "reply_metrics"]
 
 #: the metrics a reply may carry by default
-REPLY_METRICS = frozenset({"partition-id", "dp-sigma", "dp-q", "dp-steps"})
+REPLY_METRICS = frozenset({"partition-id", "dp-noise-multiplier", "dp-q", "dp-steps"})
 #: noise-free statistics, sent only with ``release_nonprivate_stats=True``
 NONPRIVATE_METRICS = frozenset({"train-loss"})
 
@@ -34,7 +34,7 @@ def reply_metrics(update: ClientUpdate, cfg: FederationConfig) -> dict[str, Any]
     hist = update.history
     out: dict[str, Any] = {
         "partition-id": int(update.client),
-        "dp-sigma": [float(h[0]) for h in hist],
+        "dp-noise-multiplier": [float(h[0]) for h in hist],
         "dp-q": [float(h[1]) for h in hist],
         "dp-steps": [int(h[2]) for h in hist],
     }
@@ -62,5 +62,5 @@ def numbers(record: Mapping[str, Any], key: str) -> list[float]:
 def history_of(record: Mapping[str, Any]) -> list[tuple[float, float, float]]:
     """The accountant history ``[(σ, q, steps)]`` stored as three parallel lists in ``record``; the values are
     left as sent (the ledger bounds them before any accountant sees them)."""
-    sigma, q, steps = numbers(record, "dp-sigma"), numbers(record, "dp-q"), numbers(record, "dp-steps")
-    return list(zip(sigma, q, steps, strict=True))
+    multipliers, q, steps = numbers(record, "dp-noise-multiplier"), numbers(record, "dp-q"), numbers(record, "dp-steps")
+    return list(zip(multipliers, q, steps, strict=True))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .federation import FederationConfig
+    from .config import FederationConfig
     from .task import Task
 
 __all__ = ["LORA_SUBDIR", "check_out_file", "check_target_dir", "save_adapter"]
@@ -74,7 +74,7 @@ def save_adapter(cfg: FederationConfig, task: Task, state: Mapping[str, torch.Te
     returns ``{"adapter": <dir>, "lora": <dir/lora>}``."""
     from ..export import export_as_lora
     from .adapter_state import load_adapter_state, trainable_parameters
-    from .federation import make_peft_model
+    from .builders import make_peft_model
 
     model: Any = make_peft_model(cfg, task)
     load_adapter_state(trainable_parameters(model), state)

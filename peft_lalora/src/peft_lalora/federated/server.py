@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from .aggregate import AggregationError
-from .federation import FederationConfig, aggregate_updates, noise_record, sample_clients
+from .builders import aggregate_updates, noise_record, sample_clients
+from .config import FederationConfig
 from .ledger import InadmissibleReport, PrivacyLedger
 from .plan import FederationPlan, partition_summary
 from .update_bound import server_update_bound
@@ -71,7 +72,7 @@ class FederationResult:
     partition: dict[str, Any]
     state: State
     wall_s: float = 0.0
-    noise: dict[str, Any] = field(default_factory=dict)  #: :func:`~.federation.noise_record`
+    noise: dict[str, Any] = field(default_factory=dict)  #: :func:`~.builders.noise_record`
     evaluation: str = ""  #: which data the server evaluated on (or why it did not)
 
     @property
@@ -119,7 +120,7 @@ class FederationServer:
         cfg: the run.
         global_state: the initial global adapter.
         sizes: examples per partition, as the server computed them (FedAvg weights).
-        privacy: ``{partition: (σ, q)}`` as the server computes them.
+        privacy: ``{partition: (noise multiplier, q)}`` as the server computes them.
         evaluator: ``evaluator(state) -> {"accuracy", "loss"}`` after every round (``None``: not evaluated).
         partition_summary: what the result JSON says about the split.
         evaluation: what the result says about the evaluation data.
@@ -163,7 +164,7 @@ class FederationServer:
     def build(cls, cfg: FederationConfig, task: Any = None) -> tuple[FederationServer, Any, Any]:
         """``(server, task, partition)`` for the in-process runner, which holds the shared source: the plan is
         computed from its partition. ``task`` is reused when built for the same ``cfg.task_key()``."""
-        from .federation import build_partition, build_task
+        from .builders import build_partition, build_task
 
         if task is None:
             task = build_task(cfg)
@@ -190,12 +191,12 @@ class FederationServer:
         source (``task.test_from_train``) only with ``evaluate_held_out`` (the in-process runner, which holds
         that source anyway)."""
         from .adapter_state import adapter_state, trainable_parameters
+        from .builders import build_evaluator, client_config, make_peft_model
         from .client import privacy_parameters
-        from .federation import build_evaluator, make_peft_model
 
         if len(plan.sizes) != cfg.num_clients:
             raise ValueError(f"the plan has {len(plan.sizes)} partitions but the run has {cfg.num_clients}")
-        client_cfg = cfg.client_config()
+        client_cfg = client_config(cfg)
         privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(plan.sizes)}
         if (evaluate_held_out or not task.test_from_train) and task.test is not None:  # never load a carved split
             evaluator = build_evaluator(cfg, task)
@@ -222,15 +223,16 @@ class FederationServer:
         return self.evaluator(self.global_state)
 
     # -- one round ------------------------------------------------------------------------------------
-    def start_round(self, round_index: int) -> list[int]:
-        """Sample the round's clients and charge each the (σ, q, local steps) it is asked for."""
+    def start_round(self, server_round: int) -> list[int]:
+        """Sample the clients of ``server_round`` (1-based, as Flower's) and charge each the (noise multiplier, q,
+        local steps) it is asked for."""
         if self._round is not None:
             raise RuntimeError(f"round {self._round.index} was started but not finished")
-        sampled = sample_clients(self.cfg, round_index)
+        sampled = sample_clients(self.cfg, server_round)
         for c in sampled:
-            sigma, q = self.privacy[c]
-            self.ledger.charge(c, sigma, q, self.cfg.local_steps)  # spent once asked, whatever comes back
-        self._round = _Round(round_index, sampled)
+            noise_multiplier, q = self.privacy[c]
+            self.ledger.charge(c, noise_multiplier, q, self.cfg.local_steps)  # spent once asked, whatever comes back
+        self._round = _Round(server_round, sampled)
         return sampled
 
     def _current(self, client: int | None) -> _Round:

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .federation import FederationConfig, build_client
+from .builders import build_client
+from .config import FederationConfig
 from .replies import history_of, reply_metrics
 from .server import FederationResult, FederationServer, RoundRecord
 from .task import Task

@@ -1,6 +1,7 @@
 """What a federation trains on: a :class:`Task` — train/test data and a deterministic base model.
 
-:func:`build_task` makes it from a :class:`~peft_lalora.federated.federation.FederationConfig`:
+:func:`build_task` makes it from the :class:`~peft_lalora.federated.config.TaskSettings` of a run
+(``FederationConfig.task_settings()``; a ``FederationConfig`` is accepted and reduced to them):
 
 * ``task="text"`` (default): the user's sequence classifier and data. ``model`` is a local folder (or hub id)
   that ``transformers.AutoModelForSequenceClassification`` and ``AutoTokenizer`` load; ``data`` is a CSV or
@@ -10,14 +11,14 @@
   without it, a seeded stratified ``test_fraction`` of ``data``. Texts are tokenized to ``seq_len`` tokens.
   Both splits load on first use; built with ``server=True`` (the Flower server) the task never reads ``data``:
   the model needs ``num_labels`` (the plan fills it in) or ``test_data``, the operator's evaluation file.
-* ``task="package.module:factory"``: ``factory(cfg) -> Task``, for experiment tasks (the ``dp-bench`` harness
-  provides ``dp_bench.task:tiny`` and ``dp_bench.task:minilm_rt``). The factory must be importable in every
-  process that runs the federation (each Flower SuperNode rebuilds the task from the configuration); its
-  ``train`` should be a loader (see :class:`Task`) so that the Flower server, which builds the task for its
-  model, loads no client data.
+* ``task="package.module:factory"``: ``factory(settings) -> Task`` (``settings``: the ``TaskSettings``), for
+  experiment tasks (the ``dp-bench`` harness provides ``dp_bench.task:tiny`` and ``dp_bench.task:minilm_rt``).
+  The factory must be importable in every process that runs the federation (each Flower SuperNode rebuilds the
+  task from the configuration); its ``train`` should be a loader (see :class:`Task`) so that the Flower server,
+  which builds the task for its model, loads no client data.
 
 Every process must build the *same* task from the same configuration: splits and subsamples are seeded by
-``cfg.seed`` and the base model's freshly initialized head by the factory's seed, without touching the
+``settings.seed`` and the base model's freshly initialized head by the factory's seed, without touching the
 caller's RNG.
 """
 
@@ -27,19 +28,17 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from .config import TaskSettings
 from .inputs import InputError, check_loaded, column_roles, load_table, scan_table
 from .truncation import cut_texts
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .federation import FederationConfig
-
-__all__ = ["Task", "build_task", "load_table", "subsample", "text_task", "to_tensor_dataset"]
+__all__ = ["Task", "TaskSettings", "build_task", "load_table", "subsample", "text_task", "to_tensor_dataset"]
 
 DEFAULT_SEQ_LEN = 64
 
@@ -58,7 +57,7 @@ class Task:
         columns: the tensor columns handed to the model, ``"label"`` last.
         model_factory: builds a fresh base model (called inside a forked RNG; must be deterministic).
         group_column: the column ``partition="group"`` splits by, if any.
-        key: the configuration fields the task was built from (``FederationConfig.task_key()``), so a built
+        key: the settings the task was built from (``TaskSettings.key()``), so a built
             task is only reused for runs that would build the same one.
         test_from_train: ``test`` is carved from the clients' data source (loading it reads that source), so a
             server that holds no client data does not evaluate on it.
@@ -129,13 +128,13 @@ def subsample(dataset: Any, n: int, seed: int) -> Any:
     return dataset.select(keep.tolist())
 
 
-def _read(path: str | Path, cfg: FederationConfig) -> Any:
+def _read(path: str | Path, cfg: TaskSettings) -> Any:
     """:func:`~.inputs.load_table` after checking the file record by record (:func:`~.inputs.scan_table`)."""
     scan_table(path, column_roles(cfg.text_column, cfg.label_column, cfg.group_column))
     return load_table(path)
 
 
-def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None, where: str) -> tuple[Any, list[str] | None]:
+def _prepare(ds: Any, cfg: TaskSettings, names: list[str] | None, where: str) -> tuple[Any, list[str] | None]:
     """Rename the text/label columns, encode string labels (with ``names`` if given), keep what is needed."""
     import datasets
 
@@ -167,7 +166,7 @@ def _prepare(ds: Any, cfg: FederationConfig, names: list[str] | None, where: str
 class _TextSource:
     """The text task's splits, each loaded on first use: the clients' ``data`` and the operator's ``test_data``."""
 
-    def __init__(self, cfg: FederationConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: TaskSettings, tokenizer: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.names: list[str] | None = None
         self._train: Any = None
@@ -250,9 +249,10 @@ def _count_labels(a: Any, b: Any, names: list[str] | None = None) -> int:
     return len(names) if names else int(labels.max()) + 1
 
 
-def text_task(cfg: FederationConfig, *, server: bool = False) -> Task:
+def text_task(settings: TaskSettings | Any, *, server: bool = False) -> Task:
     """The user's text-classification task (``task="text"``); see the module docstring. ``server=True``: built
     for a server, which never reads ``data`` (only the model, and ``test_data`` when given)."""
+    cfg = settings if isinstance(settings, TaskSettings) else settings.task_settings()
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if not cfg.model or not (cfg.data or server):
@@ -275,14 +275,16 @@ def text_task(cfg: FederationConfig, *, server: bool = False) -> Task:
         columns=(*inputs, "label"),
         model_factory=make_model,
         group_column=cfg.group_column or None,
-        key=cfg.task_key(),
+        key=cfg.key(),
         test_from_train=not cfg.test_data,
     )
 
 
-def build_task(cfg: FederationConfig, *, server: bool = False) -> Task:
-    """The task ``cfg.task`` names: ``"text"`` or ``"package.module:factory"`` (see the module docstring).
+def build_task(settings: TaskSettings | Any, *, server: bool = False) -> Task:
+    """The task ``settings.task`` names: ``"text"`` or ``"package.module:factory"`` (see the module docstring).
+    ``settings``: :class:`~.config.TaskSettings` (a ``FederationConfig`` is reduced to its ``task_settings()``).
     ``server=True``: for the Flower server, which only builds the model and reads no client data."""
+    cfg = settings if isinstance(settings, TaskSettings) else settings.task_settings()
     if cfg.task == "text":
         return text_task(cfg, server=server)
     module, _, attr = cfg.task.partition(":")
@@ -295,5 +297,5 @@ def build_task(cfg: FederationConfig, *, server: bool = False) -> Task:
     task = factory(cfg)
     if not isinstance(task, Task):
         raise TypeError(f"task factory {cfg.task!r} returned {type(task).__name__}, not a peft_lalora Task")
-    task.key = cfg.task_key()
+    task.key = cfg.key()
     return task

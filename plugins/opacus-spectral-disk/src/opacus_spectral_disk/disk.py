@@ -4,6 +4,9 @@
 has a gradient. The output noise is i.i.d. across entries with per-entry std ``sqrt(v_t)``,
 ``v_t = (1 − κ)²·v_{t−1} + κ²·s_t²``, ``v_0 = s_0²`` (exact for independent steps), which
 :meth:`DiskDenoiser.output_noise` declares.
+
+The denoiser also offers DiSK's two-point gradient with the same κ (and its γ) as the training loop's gradient
+estimator (:meth:`DiskDenoiser.gradient_estimator`, opacus-spectral's ``docs/plugins.md``).
 """
 
 from __future__ import annotations
@@ -13,27 +16,41 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from opacus_spectral import Denoiser, NoisyGradient
+
+from .gradient import DiskGradient
 
 __all__ = ["DiskDenoiser"]
 
 
 class DiskDenoiser(Denoiser):
-    """``"disk"``: the Kalman update of DiSK with gain ``kappa`` in (0, 1] (1: identity)."""
+    """``"disk"``: the Kalman update of DiSK with gain ``kappa`` in (0, 1] (1: identity).
+
+    ``gamma`` (> 0, the reference value 0.5) is the extrapolation of the two-point gradient it offers the training
+    loop (:meth:`gradient_estimator`); the Kalman update itself does not use it.
+    """
 
     name = "disk"
     temporal = True
+    estimator_grad_sample_modes = ("hooks", "functorch")  #: per-sample gradients (:class:`DiskGradient`)
 
-    def __init__(self, kappa: float = 0.7, state_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, kappa: float = 0.7, state_dtype: torch.dtype = torch.float32, gamma: float = 0.5) -> None:
         super().__init__()
         if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not 0.0 < kappa <= 1.0:
             raise ValueError(f"kappa must be a number in (0, 1], got {kappa!r}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
+            raise ValueError(f"gamma must be a number > 0, got {gamma!r}")
         self.kappa = float(kappa)
+        self.gamma = float(gamma)
         self.state_dtype = state_dtype
         self._gains: list[float | str] = []
         self.reset()
+
+    def gradient_estimator(self, module: nn.Module) -> DiskGradient:
+        """DiSK's two-point gradient for the Opacus-wrapped ``module`` with this denoiser's κ and γ."""
+        return DiskGradient(module, kappa=self.kappa, gamma=self.gamma)
 
     def reset(self) -> None:
         self.g: dict[str, Tensor] = {}
@@ -63,7 +80,7 @@ class DiskDenoiser(Denoiser):
             torch._foreach_add_(states, [x for _, x in update], alpha=k)
         for i in sel:
             out[i] = self.g[grads[i].name].to(grads[i].tensor.dtype)
-        self.diagnostics = {"filtered": len(sel)}
+        self.stats = {"filtered": len(sel)}
         return out
 
     def output_noise(self, grads: Sequence[NoisyGradient]) -> list[float | str]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from opacus_spectral.selection import resolve_roles
+from opacus_spectral.selection import Selector
 
 from opacus_spectral import Denoiser, NoisyGradient
 
@@ -58,7 +58,8 @@ class DopplerDenoiser(Denoiser):
     Args:
         preset: ``"first_order"`` (default) or ``"second_order"``; ignored when ``a`` and ``b`` are given.
         a, b: filter coefficients (``a[0]`` must be 1; DC gain Σb/Σa must be 1).
-        roles: roles to filter (default: all, 1-D included; a plain string is one role).
+        roles: roles to filter (default: all, 1-D included; a plain string is one role): its :attr:`selector`, which
+            the pipeline applies (it is handed only those records).
         state_dtype: dtype of the history tensors (float32; float64 for float64 gradients).
     """
 
@@ -86,18 +87,16 @@ class DopplerDenoiser(Denoiser):
         if abs(sum(b) / sum(a) - 1.0) > 1e-9:
             raise ValueError(f"DC gain Σb/Σa = {sum(b) / sum(a):.6g}; it must be 1")
         self.a, self.b = a, b
-        self.roles = None if roles is None else resolve_roles(roles, ())
+        self.selector = Selector.build(roles=roles)
         self.state_dtype = state_dtype
         self._c = step_response(a, b, 1)
         self._h2: list[float] = []  #: cumulative Σ_{j≤t} h_j²
         self._gains: list[float | str] = []
         self.reset()
 
-    def selects(self, name: str, role: str) -> bool:
-        return self.roles is None or role in self.roles
-
-    def selector(self) -> str:
-        return "all roles" if self.roles is None else f"roles={sorted(self.roles)}"
+    @property
+    def roles(self) -> frozenset[str] | None:
+        return self.selector.roles
 
     def reset(self) -> None:
         #: per parameter: t, past inputs g̃_{t−1..t−n_b}, past outputs m_{t−1..t−n_a}
@@ -129,7 +128,7 @@ class DopplerDenoiser(Denoiser):
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(grads)
         self._gains = [1.0] * len(grads)
-        sel = [i for i, g in enumerate(grads) if g.tensor.numel() and self.selects(g.name, g.role)]
+        sel = [i for i, g in enumerate(grads) if g.tensor.numel()]  # the pipeline hands it only what it selects
         if not sel:
             return out
         nb, na = len(self.b) - 1, len(self.a) - 1
@@ -160,7 +159,7 @@ class DopplerDenoiser(Denoiser):
             self._gains[i] = self._gain_at(self.t[name]) if constant else "unknown"
             self.t[name] += 1
             out[i] = corrected[j].to(grads[i].tensor.dtype)
-        self.diagnostics = {"filtered": len(sel)}
+        self.stats = {"filtered": len(sel)}
         return out
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:

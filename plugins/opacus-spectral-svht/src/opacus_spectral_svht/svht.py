@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-from opacus_spectral.selection import resolve_roles
+from opacus_spectral.selection import Selector
 
 from opacus_spectral import Denoiser, NoisyGradient
 
@@ -43,7 +43,8 @@ class SVHTDenoiser(Denoiser):
     """``"svht"``: optimal hard threshold of each ≥2-D gradient (conv kernels as (out, in·k·k)), batched by shape.
 
     Args:
-        roles: roles to act on (default: weight, lora_A, lora_B; a plain string is one role).
+        roles: roles to act on (default: weight, lora_A, lora_B; a plain string is one role): its :attr:`selector`,
+            which the pipeline applies (it is handed only those records).
         compute_dtype: torch.float32 (default) or torch.float64.
     """
 
@@ -52,26 +53,24 @@ class SVHTDenoiser(Denoiser):
 
     def __init__(self, roles: str | Sequence[str] = ROLES, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.roles = resolve_roles(roles, ROLES)
+        self.selector = Selector.build(roles=roles, default_roles=ROLES)
         self.compute_dtype = compute_dtype
 
-    def selects(self, name: str, role: str) -> bool:
-        return role in self.roles
-
-    def selector(self) -> str:
-        return f"roles={sorted(self.roles)}"
+    @property
+    def roles(self) -> frozenset[str]:
+        return self.selector.roles  # type: ignore[return-value]
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(grads)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, g in enumerate(grads):
             t = g.tensor
-            if g.role in self.roles and t.dim() >= 2 and t.numel() > 0 and g.sigma > 0:
+            if t.dim() >= 2 and t.numel() > 0 and g.sigma > 0:  # the pipeline hands it only the roles it selects
                 groups[(t.shape[0], t[0].numel(), t.dtype, t.device, g.sigma)].append(i)
         for (m, n, dtype, _, sigma), idx in groups.items():
             batch = torch.stack([grads[i].tensor.reshape(m, n) for i in idx]).to(self.compute_dtype)
             den = svht(batch, sigma).to(dtype)
             for j, i in enumerate(idx):
                 out[i] = den[j].reshape(grads[i].tensor.shape)
-        self.diagnostics = {"matrices": sum(len(v) for v in groups.values())}
+        self.stats = {"matrices": sum(len(v) for v in groups.values())}
         return out

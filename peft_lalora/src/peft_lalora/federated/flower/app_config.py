@@ -1,5 +1,5 @@
 """The Flower app's ``pyproject.toml``: the run configuration as ``[tool.flwr.app.config]`` and the components
-by module path (``peft_lalora.federated.flower_app:server_app`` / ``:client_app``) from the installed package."""
+by module path (``peft_lalora.federated.flower.app:server_app`` / ``:client_app``) from the installed package."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["APP_MODULE", "write_flower_app"]
+__all__ = ["APP_MODULE", "RESULT_PATH_KEY", "STATE_PATH_KEY", "THREADS_KEY", "write_flower_app"]
 
 #: the Flower app's components, imported by module path from the installed peft-lalora package
-APP_MODULE = "peft_lalora.federated.flower_app"
+APP_MODULE = "peft_lalora.federated.flower.app"
+#: run_config keys that are not FederationConfig fields
+RESULT_PATH_KEY = "result-path"
+STATE_PATH_KEY = "state-path"
+THREADS_KEY = "threads"
 
 
 def _toml_value(v: Any) -> str:
@@ -24,7 +28,7 @@ def _toml_value(v: Any) -> str:
 
 def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Path:
     """Write a Flower app to ``directory``: a ``pyproject.toml`` with ``run_config`` as
-    ``[tool.flwr.app.config]`` whose components are :mod:`peft_lalora.federated.flower_app`'s ``server_app`` /
+    ``[tool.flwr.app.config]`` whose components are :mod:`peft_lalora.federated.flower.app`'s ``server_app`` /
     ``client_app``, imported by module path from the installed package (no source is copied)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """``run_flower``: one run of a configuration on a fresh local Flower federation (:mod:`.launcher`), with its
-private work folder removed at the end (:mod:`.workdir`) and, on request, the trained adapter saved (:mod:`.save`).
+private work folder removed at the end (:mod:`.workdir`) and, on request, the trained adapter saved
+(:mod:`peft_lalora.federated.save`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .workdir import new_workdir, private_dir, remove_workdir
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..config import FederationConfig
     from .certificates import TLSConfig
-    from .federation import FederationConfig
 
 __all__ = ["run_flower"]
 
@@ -66,11 +67,10 @@ def _run(
 ) -> dict[str, Any]:
     import torch
 
-    from .app_config import write_flower_app
-    from .flower_app import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
+    from ..plan import FederationPlan, partition_summary, planned_config
+    from ..task import build_task
+    from .app_config import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY, write_flower_app
     from .launcher import LocalFederation
-    from .plan import FederationPlan, partition_summary, planned_config
-    from .task import build_task
 
     task = build_task(cfg)
     cfg, partition = planned_config(cfg, task)
@@ -103,7 +103,7 @@ def _run(
         )
     out = json.loads(result_path.read_text())
     if save_adapter is not None:
-        from .save import save_adapter as save
+        from ..save import save_adapter as save
 
         out["adapter"] = save(cfg, task, torch.load(state_path), save_adapter)
     out["partition"] = partition_summary(cfg, FederationPlan.from_partition(partition), partition)
