@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": "dp_bench.commands.demo",
     "centralized": "dp_bench.commands.centralized",
     "regime-map": "dp_bench.commands.regime_map",
+    "regime-map-llm": "dp_bench.commands.regime_map_llm",
     "federated": "dp_bench.commands.federated",
     "overhead": "dp_bench.commands.overhead",
     "overhead-llm": "dp_bench.commands.overhead_llm",

@@ -95,7 +95,8 @@ def _optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float
 
 class _PrivateRun:
     """What ``make_private`` returned for a run: the wrapped module, the DP optimizer, the (possibly
-    length-sorted) Poisson loader and the criterion, plus the pipeline's handle and the ``backward`` of the
+    length-sorted) Poisson loader and the criterion (ghost mode: the one ``make_private`` wrapped; otherwise
+    ``criterion``, cross-entropy by default), plus the pipeline's handle and the ``backward`` of the
     gradient estimator that replaces ``loss.backward()`` (``None``: the ordinary backward)."""
 
     def __init__(
@@ -105,6 +106,7 @@ class _PrivateRun:
         input_names: Sequence[str] | None,
         sort_by: Sequence[int] | None,
         gradient: Callable[[nn.Module], Any] | None,
+        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.engine, self.handle = engine, engine.post_hooks
         self.module, self.optimizer, self.loader = out[0], out[1], out[-1]
@@ -115,7 +117,13 @@ class _PrivateRun:
                 batch_sampler=LengthSortedBatches(self.loader.batch_sampler, sort_by),
                 generator=self.loader.generator,
             )
-        self.criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+        self.ghost = len(out) == 4
+        if criterion is not None and self.ghost:
+            raise ValueError(
+                "run_dp(criterion=...) is for hooks / functorch / ew modes: in ghost mode the loss must be the "
+                "criterion make_private wraps (opacus_spectral.ghost_causal_lm_loss for a causal LM)"
+            )
+        self.criterion = out[2] if self.ghost else criterion or nn.CrossEntropyLoss()
         self.input_names = input_names
         estimator = (
             gradient(self.module) if gradient is not None else self.handle.pipeline.gradient_estimator(self.module)
@@ -123,8 +131,15 @@ class _PrivateRun:
         self.backward = estimator.backward if estimator is not None else None
 
     def physical_step(self, inputs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-        """One physical batch: fresh gradients, the loss and its backward (or the estimator's), the DP step."""
+        """One physical batch: fresh gradients, the loss and its backward (or the estimator's), the DP step. An
+        empty batch outside ghost mode skips the forward (a causal LM cannot run zero rows) and contributes zero
+        per-sample gradients, as Opacus does for empty Poisson batches; its loss is NaN (an empty mean)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if len(y) == 0 and not self.ghost and self.backward is None:
+            for p in self.optimizer.params:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+            self.optimizer.step()
+            return torch.full((), float("nan"))
 
         def loss_fn() -> torch.Tensor:
             names = self.input_names
@@ -146,8 +161,13 @@ class _PrivateRun:
         return eps
 
 
+Evaluator = Callable[[nn.Module, torch.utils.data.Dataset, int], float]
+
+
 class _Evaluations:
-    """Test accuracy (``curve``) and the accuracy on each of ``eval_sets`` (``curves[name]``) at checkpoints."""
+    """The test score (``curve``) and the score on each of ``eval_sets`` (``curves[name]``; only at the steps of
+    ``eval_sets_at`` when given) at checkpoints. The score is ``evaluator(module, data, batch)``, test accuracy
+    (:func:`evaluate`) by default."""
 
     def __init__(
         self,
@@ -156,20 +176,27 @@ class _Evaluations:
         eval_sets: Mapping[str, torch.utils.data.Dataset] | None,
         input_names: Sequence[str] | None,
         batch: int,
+        evaluator: Evaluator | None = None,
+        eval_sets_at: Iterable[int] | None = None,
     ) -> None:
         self.module, self.test, self.input_names, self.batch = module, test, input_names, batch
+        self.evaluator = evaluator
         self.extra = dict(eval_sets or {})
+        self.extra_at = None if eval_sets_at is None else set(eval_sets_at)
         self.curve: list[tuple[int, float]] = []
         self.curves: dict[str, list[tuple[int, float]]] = {name: [] for name in self.extra}
 
-    def accuracy(self, data: torch.utils.data.Dataset) -> float:
+    def score(self, data: torch.utils.data.Dataset) -> float:
+        if self.evaluator is not None:
+            return float(self.evaluator(self.module, data, self.batch))
         return evaluate(self.module, data, self.input_names, self.batch)["accuracy"]
 
-    def record(self, step: int, test_accuracy: float | None = None) -> None:
-        """Evaluate after ``step`` completed steps (``test_accuracy``: the test accuracy already known)."""
-        self.curve.append((step, self.accuracy(self.test) if test_accuracy is None else test_accuracy))
-        for name, data in self.extra.items():
-            self.curves[name].append((step, self.accuracy(data)))
+    def record(self, step: int, test_score: float | None = None) -> None:
+        """Evaluate after ``step`` completed steps (``test_score``: the test score already known)."""
+        self.curve.append((step, self.score(self.test) if test_score is None else test_score))
+        if self.extra_at is None or step in self.extra_at:
+            for name, data in self.extra.items():
+                self.curves[name].append((step, self.score(data)))
 
 
 def estimator_grad_sample_mode(denoisers: Sequence[Any], grad_sample_mode: str) -> str:
@@ -265,7 +292,7 @@ def _train(
                 bar.update(1)
                 if step in eval_at:
                     evals.record(step)
-                    bar.set_postfix(acc=f"{evals.curve[-1][1]:.3f}")
+                    bar.set_postfix(score=f"{evals.curve[-1][1]:.3f}")
                 t0 = time.perf_counter()
                 if step >= steps:
                     break
@@ -303,19 +330,22 @@ def run_dp(
     eval_sets: Mapping[str, torch.utils.data.Dataset] | None = None,
     gradient: Callable[[nn.Module], Any] | None = None,
     sort_by: Sequence[int] | None = None,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    evaluator: Evaluator | None = None,
+    eval_sets_at: Iterable[int] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + accuracy curve.
+    """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + score curves.
 
-    ``eval_at``: numbers of completed steps (0 = before training; ``initial_accuracy`` is used there when given)
-    at which test accuracy is measured (and the accuracy on each of ``eval_sets``, e.g. a validation split:
-    ``result["curves"][name]``). ``on_step(step, record, dp_optimizer)`` runs after each logical step
-    (before the step's evaluation), e.g. to snapshot the clean gradient. ``gradient(wrapped_model)`` builds an
-    object whose ``backward(loss_fn)`` replaces ``loss.backward()``; without it, the gradient estimator a
-    denoiser of the installed pipeline offers does (``PostNoisePipeline.gradient_estimator``, e.g. DiSK's
-    two-point gradient), with the ``grad_sample_mode`` it works with (:func:`estimator_grad_sample_mode`).
-    ``sort_by`` (a length per training example) sorts every Poisson batch before it is split into physical
-    batches of ``physical_batch`` (:class:`LengthSortedBatches`). Returns
-    ``{"per_step", "curve", "epsilon", "train_seconds", "noise_multiplier"}``.
+    ``eval_at``: completed steps (0 = before training; ``initial_accuracy`` used there when given) at which the test
+    score is measured, and the score of each of ``eval_sets`` (``result["curves"][name]``; only at ``eval_sets_at``
+    when given). The score is accuracy, or ``evaluator(module, data, eval_batch)`` (e.g.
+    :func:`dp_bench.lm_task.lm_score`); ``criterion(logits, y)`` replaces cross-entropy outside ghost mode (e.g.
+    :func:`opacus_spectral.causal_lm_loss`). ``on_step(step, record, dp_optimizer)`` runs after each logical step.
+    ``gradient(wrapped_model)`` builds an object whose ``backward(loss_fn)`` replaces ``loss.backward()``; without
+    it, the gradient estimator a denoiser of the pipeline offers does (e.g. DiSK's two-point gradient, in the
+    ``grad_sample_mode`` it declares: :func:`estimator_grad_sample_mode`). ``sort_by`` (a length per example) sorts
+    every Poisson batch before its split into physical batches (:class:`LengthSortedBatches`). Returns
+    ``{"per_step", "curve", "curves", "epsilon", "train_seconds", "noise_multiplier"}``.
     """
     quiet_warnings()
     loader = torch.utils.data.DataLoader(train, batch_size=batch_size)
@@ -335,8 +365,8 @@ def run_dp(
         grad_sample_mode=grad_sample_mode,
         allow_non_private=allow_non_private,
     )
-    run = _PrivateRun(engine, out, input_names, sort_by, gradient)
-    evals = _Evaluations(run.module, test, eval_sets, input_names, eval_batch)
+    run = _PrivateRun(engine, out, input_names, sort_by, gradient, criterion)
+    evals = _Evaluations(run.module, test, eval_sets, input_names, eval_batch, evaluator, eval_sets_at)
     log, t_train = _train(
         run,
         evals,
@@ -348,6 +378,5 @@ def run_dp(
         on_step=on_step,
         desc=desc,
     )
-    eps = run.finish(noise_multiplier, delta)
-    curves = {"curve": evals.curve, "curves": evals.curves}
-    return {"per_step": log, **curves, "epsilon": eps, "train_seconds": t_train, "noise_multiplier": noise_multiplier}
+    curves = {"curve": evals.curve, "curves": evals.curves, "epsilon": run.finish(noise_multiplier, delta)}
+    return {"per_step": log, **curves, "train_seconds": t_train, "noise_multiplier": noise_multiplier}

@@ -6,6 +6,7 @@
     dp-bench grid --name fmnist_a --replot        # tables + docs/results/fmnist_a.png from the JSON
     dp-bench grid --measure-speed                 # ghost clipping vs hooks, per model and batch
     dp-bench grid --model minilm --name rt ...    # Rotten Tomatoes (DP-LoRA on MiniLM), same protocol (§8)
+    dp-bench grid --model smollm2 --name smollm2_qv ...  # SmolLM2 + Shakespeare, perplexity (§10's own report)
     dp-bench grid --smoke --out /tmp/f            # a few steps of everything: checks the plumbing
 
 Beds (``--model``): ``mlp`` / ``cnn`` on Fashion-MNIST (:func:`dp_bench.task.fashion_mnist_task`: Debian
@@ -13,7 +14,10 @@ Beds (``--model``): ``mlp`` / ``cnn`` on Fashion-MNIST (:func:`dp_bench.task.fas
 10,000 test images; the MLP 784 → 256 → 10 (tanh) and the tanh CNN of Papernot et al. 2021,
 :mod:`dp_bench.vision`), and ``minilm``: all-MiniLM-L6-v2 on packaged Rotten Tomatoes with LoRA
 (``--trainable``) on the top encoder layer and a fresh head, the bottom layers cached exactly
-(:func:`dp_bench.task.frozen_text_task`, a validation split carved from its training split).
+(:func:`dp_bench.task.frozen_text_task`, a validation split carved from its training split); ``smollm2``:
+SmolLM2-135M-Instruct on Shakespeare blocks split by work, DP-LoRA r = 32, α = 64 on every ``q_proj`` / ``v_proj``
+(:mod:`dp_bench.lm_task`), loss :func:`opacus_spectral.causal_lm_loss`, score ``-log`` perplexity (larger is better,
+so the learning-rate rule is the same), reported by :mod:`dp_bench.commands.lm_report` (docs/results.md §10).
 
 Protocol (docs/results.md §7, written before the runs):
 
@@ -37,6 +41,7 @@ Protocol (docs/results.md §7, written before the runs):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -50,13 +55,14 @@ from torch import nn
 
 from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config, same_config
+from ..lm_task import LMTask, lm_score, lora_model, smollm2_shakespeare_task
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..store import POLL_SECONDS, SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
 from ..vision import build
-from . import grid_report as report
+from . import grid_report, lm_report
 
 #: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk"'s
 #: denoiser also offers DiSK's two-point gradient, which :func:`dp_bench.train.run_dp` trains with (per-sample
@@ -65,6 +71,7 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "none": ([], None),
     "rmt": ([("rmt_paper", {"warn_after": 0})], None),
     "rmt-tw": ([("rmt", {"gate": "tracy_widom", "norm_correction": "clean_estimate", "warn_after": 0})], None),
+    "rmt-default": ([("rmt", {"warn_after": 0})], None),  # the library's defaults, whatever they are
     "rmt-js": ([("rmt", {"residual": "james_stein", "norm_correction": "none", "warn_after": 0})], None),
     "ema": ([("ema", {"beta": 0.9})], 0.0),
     "ema+rmt": ([("ema", {"beta": 0.9}), ("rmt_paper", {"warn_after": 0})], 0.0),
@@ -82,7 +89,11 @@ LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
 
 @dataclass
 class Config:
-    model: str = opt("mlp", "mlp or cnn (Fashion-MNIST), minilm (Rotten Tomatoes)", choices=("mlp", "cnn", "minilm"))
+    model: str = opt(
+        "mlp",
+        "mlp or cnn (Fashion-MNIST), minilm (Rotten Tomatoes), smollm2 (Shakespeare)",
+        choices=("mlp", "cnn", "minilm", "smollm2"),
+    )
     trainable: str = opt("lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layer")
     methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
@@ -110,6 +121,13 @@ class Config:
     )
     checkpoints: int = opt(20, "evaluations along the run")
     target_epsilon: float = opt(3.0, "the baseline's final accuracy at this ε is the target of the ε metric")
+    lr_extensions: int = opt(3, "outward extensions of the lr grid when the best value is at an end (0: none)")
+    tune_references: bool = opt(True, "tune the references' lr (else they take the 'none' arm's choice)")
+    reference_seeds: int = opt(0, "evaluation seeds of the references: the first N of --seeds (0: all)")
+    tune_test_curve: bool = opt(True, "score the test split at every checkpoint of a tuning run (else at its end)")
+    block_size: int = opt(32, "--model smollm2: tokens per Shakespeare block")
+    val_blocks: int = opt(256, "--model smollm2: validation blocks scored (the first N of the split)")
+    test_blocks: int = opt(512, "--model smollm2: test blocks scored (the first N of the split)")
     val_size: int = opt(5000, "validation examples carved from the training split")
     threads: int = opt(2, "torch threads")
     out: Path = opt(RESULTS, "output folder (<name>.json, <name>.png)")
@@ -127,9 +145,14 @@ class Config:
             raise ValueError("--methods must include the baseline 'none'")
         if self.target_epsilon not in self.epsilons:
             raise ValueError("--target-epsilon must be one of --epsilons")
-        if self.model == "minilm" and ("disk" in self.methods or self.measure_speed):
-            raise ValueError("--model minilm: 'disk' and --measure-speed are defined for the image models only")
-        if self.smoke:
+        if self.model in ("minilm", "smollm2") and ("disk" in self.methods or self.measure_speed):
+            raise ValueError(f"--model {self.model}: 'disk' and --measure-speed are defined for the image models only")
+        if self.model == "smollm2" and self.grad_sample_mode != "hooks":
+            raise ValueError("--model smollm2 trains with causal_lm_loss in hooks mode: pass --grad-sample-mode hooks")
+        if self.smoke and self.model == "smollm2":
+            self.steps, self.seeds, self.batches, self.checkpoints, self.physical_batch = 2, [0, 1], [4], 2, 2
+            self.lr_grid_adamw, self.val_blocks, self.test_blocks, self.block_size = [1e-3], 4, 4, 16
+        elif self.smoke:
             self.epochs, self.seeds, self.batches, self.checkpoints = 0.05, [0, 1], [256], 2
             self.lr_grid_sgd, self.lr_grid_adamw, self.val_size = [1.0, 2.0], [1e-3, 2e-3], 500
             self.lr_grid_nonprivate = [0.1]
@@ -140,8 +163,18 @@ class Config:
         return self.lr_grid_sgd if optimizer == "sgd" else self.lr_grid_adamw
 
 
-def load_task(cfg: Config) -> ImageTask | FrozenTextTask:
-    """The bed's train / validation / test splits (the validation split is carved from the training split)."""
+#: --smoke --model smollm2: a slice of the corpus (the split by work kept: one work per split)
+SMOKE_WORKS, SMOKE_LINES = ("tempest", "hamlet", "macbeth"), 40
+
+
+def load_task(cfg: Config) -> ImageTask | FrozenTextTask | LMTask:
+    """The bed's train / validation / test splits (Fashion-MNIST and MiniLM: the validation split is carved from
+    the training split; SmolLM2: split by work)."""
+    if cfg.model == "smollm2":
+        works, lines = (SMOKE_WORKS, SMOKE_LINES) if cfg.smoke else (None, None)
+        return smollm2_shakespeare_task(
+            cfg.block_size, val_blocks=cfg.val_blocks, test_blocks=cfg.test_blocks, works=works, max_lines=lines
+        )
     if cfg.model == "minilm":
         task = frozen_text_task("minilm", 48, 1, val_size=cfg.val_size)
         if cfg.physical_batch > 0:  # evaluation sets sorted by length once: accuracy is order-free, batches trim
@@ -162,8 +195,10 @@ def by_length(data: torch.utils.data.TensorDataset) -> torch.utils.data.TensorDa
     return torch.utils.data.TensorDataset(*(t[order] for t in data.tensors))
 
 
-def new_model(cfg: Config, task: ImageTask | FrozenTextTask, seed: int) -> nn.Module:
+def new_model(cfg: Config, task: ImageTask | FrozenTextTask | LMTask, seed: int) -> nn.Module:
     """A freshly initialized model from ``seed`` (the same for every method of a seed)."""
+    if isinstance(task, LMTask):
+        return lora_model(task, seed)
     if isinstance(task, FrozenTextTask):
         return build_top(task, Trainable.parse(cfg.trainable), seed, trim_padding=cfg.physical_batch > 0)
     return build(cfg.model, seed)
@@ -178,6 +213,7 @@ def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, see
     return f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr{lr:g}"
 
 
+@functools.cache
 def calibrate(eps: float, q: float, steps: int, delta: float = 1e-5) -> float:
     """The noise multiplier for ``eps`` at ``delta`` (PRV): :func:`opacus_spectral.noise_multiplier_for`."""
     from opacus_spectral import noise_multiplier_for
@@ -253,8 +289,21 @@ def checkpoints_at(cfg: Config, steps: int) -> list[int]:
     return sorted({0, *range(every, steps + 1, every), steps})
 
 
-def bed_options(cfg: Config, task: ImageTask | FrozenTextTask, batch: int) -> dict[str, Any]:
-    """The bed's options of :func:`run_dp`: physical batch, evaluation batch, length-sorted Poisson batches."""
+def bed_options(cfg: Config, task: ImageTask | FrozenTextTask | LMTask, batch: int, steps: int) -> dict[str, Any]:
+    """The bed's options of :func:`run_dp`: physical batch, evaluation batch, length-sorted Poisson batches; for
+    the causal LM also its loss, its score (``-log`` perplexity), validation at the last step only (the lr choice
+    reads nothing else) and the base model's test score as step 0 (LoRA's B starts at 0)."""
+    if isinstance(task, LMTask):
+        from opacus_spectral import causal_lm_loss
+
+        return {
+            "physical_batch": cfg.physical_batch or batch,
+            "eval_batch": 32,
+            "criterion": causal_lm_loss,
+            "evaluator": lm_score,
+            "eval_sets_at": [steps],
+            "initial_accuracy": task.initial_test,
+        }
     sort = isinstance(task, FrozenTextTask) and cfg.physical_batch > 0
     # evaluation splits sorted by length (load_task): small batches trim their padding (accuracy is batch-free;
     # MiniLM at 128 rather than 2,000 per batch: evaluation ≈ 2× faster)
@@ -285,7 +334,7 @@ def outcome(r: dict[str, Any], oracle: ReleasedOracle, nm: float, q: float, step
 
 def one_run(
     cfg: Config,
-    task: ImageTask | FrozenTextTask,
+    task: ImageTask | FrozenTextTask | LMTask,
     method: str,
     optimizer: str,
     batch: int,
@@ -293,8 +342,10 @@ def one_run(
     lr: float,
     seed: int,
     steps: int,
+    phase: str = "eval",
 ) -> dict[str, Any]:
-    """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates)."""
+    """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates). A tuning
+    run without ``--tune-test-curve`` scores the test split only at its end (the lr choice reads validation)."""
     q = batch / len(task.train)
     hooks, momentum, nm, clip = method_setup(cfg, method, eps, q, steps)
     model = new_model(cfg, task, seed)
@@ -314,7 +365,7 @@ def one_run(
         optimizer=optimizer,
         momentum=momentum,
         max_grad_norm=clip,
-        eval_at=checkpoints_at(cfg, steps),
+        eval_at=checkpoints_at(cfg, steps) if phase == "eval" or cfg.tune_test_curve else [0, steps],
         oracle=False,
         per_param=False,
         grad_sample_mode=cfg.grad_sample_mode,
@@ -322,7 +373,7 @@ def one_run(
         desc=f"{method} {optimizer} B{batch}",
         on_step=oracle if nm > 0 else None,
         eval_sets={"val": task.val},
-        **bed_options(cfg, task, batch),
+        **bed_options(cfg, task, batch, steps),
     )
     return {
         "method": method,
@@ -347,21 +398,20 @@ def tune_round(
     batch: int,
     eps: float,
     seed: int,
-    max_extensions: int = 3,
 ) -> list[float]:
     """The learning rates of a cell's open tuning round that are not stored yet; ``[]`` once the choice is final.
 
     A pure function of the stored runs, so every worker sees the same rounds: first ``--lr-grid``; once all of it
     is stored, the best final validation accuracy among everything tried is recorded in ``result["lr_choice"]``
     and, when it lies at an end of what was tried, the next value outward (a factor 2; at most
-    ``max_extensions`` times) is the next round (:func:`dp_bench.lr_rule.lr_edge_step`)."""
+    ``--lr-extensions`` times) is the next round (:func:`dp_bench.lr_rule.lr_edge_step`)."""
     prefix = f"tune|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
     tried = {float(k[len(prefix) :]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
     base = list(cfg.lr_grid(optimizer, method))
     missing = [lr for lr in base if lr not in tried]
     if missing:
         return missing
-    best, nxt = lr_edge_step(tried, base, max_extensions)
+    best, nxt = lr_edge_step(tried, base, cfg.lr_extensions)
     result["lr_choice"][f"{method}|{optimizer}|B{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
     return [lr for lr in nxt if lr not in tried]
 
@@ -376,17 +426,19 @@ def next_run(
     ``(key, phase, method, optimizer, batch, eps, seed, lr)`` or None —, whether some run is not stored yet but
     cannot be claimed now (another worker trains it, or its cell's learning rate is not chosen yet), and how many
     planned cells are complete. A worker that waits for another's tuning run moves on to the next cell's tuning
-    instead of idling; an evaluation run starts once its cell's choice is final."""
+    instead of idling; an evaluation run starts once its cell's choice is final (a reference's is the 'none'
+    arm's without ``--tune-references``)."""
     tuned: set[str] = set()
     waiting, done = False, 0
     for phase, method, optimizer, batch, eps, seed in plan:
         cell = f"{method}|{optimizer}|B{batch}"
+        chosen = cell if cfg.tune_references or method not in REFERENCES else f"none|{optimizer}|B{batch}"
         if phase == "tune":
             lrs = tune_round(result, cfg, method, optimizer, batch, eps, seed)
             if not lrs:
                 tuned.add(cell)
-        elif cell in tuned:
-            lrs = [result["lr_choice"][cell]["lr"]]
+        elif chosen in tuned:
+            lrs = [result["lr_choice"][chosen]["lr"]]
         else:  # its learning rate is still being chosen
             waiting = True
             continue
@@ -448,16 +500,21 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
 
 
 def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
-    """(phase, method, optimizer, B, ε, seed): the learning-rate runs first, then seed-major evaluation runs."""
+    """(phase, method, optimizer, B, ε, seed): the learning-rate runs first, then seed-major evaluation runs (the
+    references only on the first ``--reference-seeds`` seeds when it is set)."""
     methods = [*cfg.methods, *(REFERENCES if cfg.references else ())]
+    tuned = [m for m in methods if cfg.tune_references or m not in REFERENCES]
     tune = [
-        ("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers for m in methods
+        ("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers for m in tuned
     ]
+    ref_seeds = set(cfg.seeds[: cfg.reference_seeds] if cfg.reference_seeds else cfg.seeds)
     evals = []
     for seed in cfg.seeds:
         for b in cfg.batches:
             for o in cfg.optimizers:
                 for m in methods:
+                    if m in REFERENCES and seed not in ref_seeds:
+                        continue
                     for eps in [math.inf] if m in REFERENCES else cfg.epsilons:
                         evals.append(("eval", m, o, b, eps, seed))
     return tune + evals
@@ -523,16 +580,23 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
             time.sleep(POLL_SECONDS)  # every open run is another worker's, or waits for a choice that needs them
             continue
         key, phase, method, optimizer, batch, eps, seed, lr = run_
-        rec = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, budget(cfg, n, batch))
+        rec = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, budget(cfg, n, batch), phase)
         tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} ({rec['wall_seconds']:.0f}s)")
         store.put(key, rec)
     bar.close()
     store.wait_until_idle()
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
+    report = report_for(result)
     result["analysis"] = report.analyze(result)
     store.save()
     report.plot(result, cfg.out / f"{cfg.name}.png")
     return result
+
+
+def report_for(result: dict[str, Any]) -> Any:
+    """The report module of a stored grid (analyze, tables, plot): §10's perplexity report for the causal LM,
+    the accuracy report otherwise."""
+    return lm_report if result["config"].get("model") == "smollm2" else grid_report
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -543,10 +607,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if cfg.replot:
         path = cfg.out / f"{cfg.name}.json"
         result = json.loads(path.read_text())
-        result["analysis"] = report.analyze(result)
+        result["analysis"] = report_for(result).analyze(result)
         path.write_text(json.dumps(result, default=float))
-        report.plot(result, cfg.out / f"{cfg.name}.png")
+        report_for(result).plot(result, cfg.out / f"{cfg.name}.png")
     else:
         result = run(cfg, argv)
-    print(report.tables(result))
+    print(report_for(result).tables(result))
     return result
