@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_lalora_support import batch, build  # noqa: E402
+from lalora_support import batch, build  # noqa: E402
 
 import peft_lalora  # noqa: E402
 from peft_lalora import AlternationController  # noqa: E402

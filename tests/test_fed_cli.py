@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
+from fed_support import user_model_and_data  # noqa: E402
 from peft_lalora.cli import build_parser, config_from_args, main  # noqa: E402
 from peft_lalora.federated.builders import client_config  # noqa: E402
 
@@ -117,47 +118,13 @@ def test_every_config_field_is_a_flag_with_its_default():
     assert cfg.weighted is False and cfg.num_clients == 5
 
 
-def _user_model_and_data(tmp_path, fmt: str):
-    """A tiny BERT saved with its own WordPiece tokenizer, and a labelled text file (string labels)."""
-    from dp_bench.data import tiny_bert
-    from transformers import BertTokenizerFast
-
-    words = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "the", "was"]
-    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
-    model_dir = tmp_path / "model"
-    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(model_dir)
-    tiny_bert(num_labels=2, seed=0).save_pretrained(model_dir)
-    rows = []
-    for i in range(60):
-        pos = i % 2 == 0
-        adj = ["good", "great", "fine"][i % 3] if pos else ["bad", "awful", "poor"][i % 3]
-        rows.append({"review": f"the movie was {adj}", "sentiment": "pos" if pos else "neg", "film": f"f{i % 6}"})
-    if fmt == "csv":
-        import csv
-
-        path = tmp_path / "reviews.csv"
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["review", "sentiment", "film"])
-            w.writeheader()
-            w.writerows(rows)
-    elif fmt == "jsonl":
-        path = tmp_path / "reviews.jsonl"
-        path.write_text("\n".join(json.dumps(r) for r in rows))
-    else:
-        import datasets
-
-        path = tmp_path / "saved"
-        datasets.Dataset.from_list(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(path))
-    return model_dir, path
-
-
 @pytest.mark.parametrize("fmt", ["csv", "jsonl", "saved"])
 def test_federate_a_users_model_and_data(tmp_path, fmt):
     from peft_lalora.federated.builders import build_partition
     from peft_lalora.federated.config import FederationConfig
     from peft_lalora.federated.task import build_task
 
-    model_dir, data = _user_model_and_data(tmp_path, fmt)
+    model_dir, data = user_model_and_data(tmp_path, fmt)
     user = [
         "--model",
         str(model_dir),

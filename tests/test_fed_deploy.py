@@ -278,11 +278,11 @@ def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
     pytest.importorskip("flwr")
     pytest.importorskip("opacus_spectral")
     pytest.importorskip("flwr_datasets")
+    from fed_support import CFG, assert_states_equal, marked_processes, replay
     from peft_lalora.federated.client import REPRODUCIBLE_NOISE_NOTE
     from peft_lalora.federated.config import FederationConfig
     from peft_lalora.federated.flower import run_flower
     from peft_lalora.federated.simulation import run_simulation
-    from test_fed_runners import CFG, _assert_states_equal, _marked_processes, _replay
 
     torch.set_num_threads(1)
     cfg = FederationConfig(**CFG)
@@ -291,7 +291,7 @@ def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
     wall = time.perf_counter() - t0
     # nothing left behind: no process carrying this federation's marker, all teardown checks empty
     assert out["leftover_pids"] == []
-    assert _marked_processes(out["federation_id"]) == []
+    assert marked_processes(out["federation_id"]) == []
     # it ran secured: TLS on the SuperLink, both SuperNodes registered by key and activated
     assert out["transport"] == {"tls": True, "supernode_auth": True}
     link_log = (tmp_path / "logs" / "superlink.log").read_text()
@@ -300,13 +300,13 @@ def test_real_flower_federation_matches_simulation_and_cleans_up(tmp_path):
     assert link_log.count("[Fleet.ActivateNode] Activated node_id=") == 2
     assert "Option `--insecure` was set" not in link_log
     # the global adapter changed, and it is the FedAvg of what the clients computed
-    g0, g_ref, eps = _replay(cfg)
+    g0, g_ref, eps = replay(cfg)
     final = torch.load(out["state_path"])
     assert not all(torch.equal(final[k], g0[k]) for k in g0)
-    _assert_states_equal(final, g_ref, atol=1e-6)
+    assert_states_equal(final, g_ref, atol=1e-6)
     # same as the in-process runner, and the same privacy ledger
     sim = run_simulation(cfg, progress=False)
-    _assert_states_equal(final, sim.state, atol=1e-6)
+    assert_states_equal(final, sim.state, atol=1e-6)
     assert out["runner"] == "flower" and len(out["accuracy"]) == 3
     assert out["accuracy"] == pytest.approx(sim.accuracy, abs=1e-9)
     assert [out["epsilon"][str(i)] for i in range(2)] == pytest.approx(eps, rel=1e-9)

@@ -314,12 +314,12 @@ def test_ledger_bound_is_checked_before_any_accountant_call(monkeypatch):
 def test_text_task_for_the_server_never_reads_the_clients_data(tmp_path):
     """Built with ``server=True`` the user's text task reads the model and the operator's ``test_data`` only:
     ``data`` may not even exist on the server's machine."""
+    from fed_support import user_model_and_data
     from peft_lalora.federated.plan import FederationPlan
     from peft_lalora.federated.server import FederationServer
     from peft_lalora.federated.task import build_task
-    from test_fed_cli import _user_model_and_data
 
-    model_dir, csv = _user_model_and_data(tmp_path, "csv")
+    model_dir, csv = user_model_and_data(tmp_path, "csv")
     text = dict(model=str(model_dir), text_column="review", label_column="sentiment", seq_len=8, num_clients=2)
     absent = str(tmp_path / "clients-only" / "data.csv")
     task = build_task(FederationConfig(**text, data=absent, test_data=str(csv)), server=True)
@@ -345,11 +345,11 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch):
     """``data`` in a SuperNode's node_config (a real deployment) is that node's partition, all of it; a
     shared-source node takes its partition of the run's data. Both must match the plan."""
     pytest.importorskip("flwr")
+    from fed_support import user_model_and_data
     from flwr.app import Context, RecordDict
     from peft_lalora.federated.flower import app as flower_app
-    from test_fed_cli import _user_model_and_data
 
-    model_dir, csv = _user_model_and_data(tmp_path, "csv")
+    model_dir, csv = user_model_and_data(tmp_path, "csv")
     own = tmp_path / "node.csv"
     own.write_text("\n".join(csv.read_text().splitlines()[:26]))  # header + 25 rows
     cfg = FederationConfig(

@@ -6,7 +6,6 @@ a round without any valid update keeps the global state and the run goes on; rep
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ import torch
 pytest.importorskip("opacus_spectral")
 pytest.importorskip("flwr_datasets")
 
+from fed_support import CFG, assert_states_equal, replay  # noqa: E402
 from peft_lalora.federated import simulation as simulation_mod  # noqa: E402
-from peft_lalora.federated.aggregate import fedavg  # noqa: E402
-from peft_lalora.federated.builders import build_client, build_evaluator, build_partition, build_task  # noqa: E402
+from peft_lalora.federated.builders import build_evaluator, build_task  # noqa: E402
 from peft_lalora.federated.client import REPRODUCIBLE_NOISE_NOTE, ReplayedRoundError  # noqa: E402
 from peft_lalora.federated.config import FederationConfig  # noqa: E402
 from peft_lalora.federated.plan import planned_config  # noqa: E402
@@ -25,49 +24,13 @@ from peft_lalora.federated.simulation import run_simulation  # noqa: E402
 # Runner equality needs noise that is a function of the seeds: opt in (experiments only).
 pytestmark = pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.ReproducibleNoiseWarning")
 
-# LA-LoRA (step alternation) with the paper's binomial low-pass filter, DP via calibrated noise.
-CFG = dict(
-    task="dp_bench.task:tiny",
-    algo="la-lora",
-    filter="binomial5",
-    num_clients=2,
-    alpha=1.0,
-    rounds=2,
-    local_steps=2,
-    batch_size=8,
-    n_train=64,
-    n_test=32,
-    epsilon=5.0,
-    seed=3,
-    reproducible_noise=True,
-)
-
-
-def _replay(cfg: FederationConfig):
-    """Clients and FedAvg called by hand: the reference for both runners."""
-    task = build_task(cfg)
-    part = build_partition(cfg, task)
-    g0 = build_evaluator(cfg, task).initial_state()
-    clients = [build_client(cfg, task, part, i) for i in range(cfg.num_clients)]
-    g = g0
-    for rnd in range(1, cfg.rounds + 1):
-        ups = [c.fit(g, rnd) for c in clients]
-        g = fedavg([u.state for u in ups], [u.num_examples for u in ups], global_state=g).state
-    return g0, g, [c.epsilon() for c in clients]
-
-
-def _assert_states_equal(x, y, atol=0.0):
-    assert x.keys() == y.keys()
-    for k in x:
-        assert torch.allclose(x[k], y[k], rtol=0, atol=atol), f"{k}: max diff {(x[k] - y[k]).abs().max()}"
-
 
 def test_simulation_equals_hand_replay():
     torch.set_num_threads(1)
     cfg = FederationConfig(**CFG)
-    g0, g_ref, eps = _replay(cfg)
+    g0, g_ref, eps = replay(cfg)
     res = run_simulation(cfg, progress=False)
-    _assert_states_equal(res.state, g_ref)
+    assert_states_equal(res.state, g_ref)
     assert not all(torch.equal(res.state[k], g0[k]) for k in g0)
     assert [res.privacy["clients"][str(i)]["epsilon"] for i in range(2)] == pytest.approx(eps, rel=1e-12)
     assert max(eps) <= 5.0 + 0.05
@@ -130,7 +93,7 @@ def test_round_without_valid_updates_keeps_global_state_and_run_continues(monkey
     assert r1.error is not None and "aggregation failed, global state kept" in r1.error
     assert sorted(r["client"] for r in r1.rejected) == [0, 1]
     assert all("non-finite" in r["reason"] for r in r1.rejected)
-    _assert_states_equal(states[0], g0)
+    assert_states_equal(states[0], g0)
     assert r1.accuracy == res.initial["accuracy"]
     assert r2.error is None and r2.rejected == [] and not all(torch.equal(states[1][k], g0[k]) for k in g0)
     assert all(v["steps"] == 2 for v in res.privacy["clients"].values()), "round 1's noise was still spent"
@@ -147,19 +110,6 @@ def test_client_sampling_fraction_limits_participation():
     assert steps == {c: cfg.local_steps * sampled.count(c) for c in range(4)}
     never = [c for c in range(4) if c not in sampled]
     assert all(res.privacy["clients"][str(c)]["epsilon"] == 0.0 for c in never)
-
-
-def _marked_processes(marker: str) -> list[int]:
-    needle = f"LALORA_FEDERATION_ID={marker}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypatch):
@@ -222,7 +172,7 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     flower_app.server_app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
     sim = run_simulation(cfg, progress=False)
     final = torch.load(tmp_path / "s.pt")
-    _assert_states_equal(final, sim.state)
+    assert_states_equal(final, sim.state)
     # no handshake: 2 train messages per round, to the nodes the server assigned the sampled partitions
     assert {t for t, _ in grid.sent} == {"train"}
     node_of = {p: n for n, p in pids.items()}
@@ -290,7 +240,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     ]
     arrays, metrics = strategy.aggregate_train(1, bad)
     kept = arrays.to_torch_state_dict()
-    _assert_states_equal(kept, g0)
+    assert_states_equal(kept, g0)
     assert strategy.global_state is not None and metrics["round-failed"] == 1 and metrics["num-rejected"] == 3
     rec = server.rounds[-1]
     assert rec.error.startswith("aggregation failed, global state kept")
@@ -301,7 +251,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     new = {k: v + 1 for k, v in g0.items()}
     strategy.configure_train(2, ArrayRecord(g0), ConfigRecord(), grid=None)
     arrays, metrics = strategy.aggregate_train(2, [reply(1, new, 0), reply(2, new, 1, steps=4)])
-    _assert_states_equal(arrays.to_torch_state_dict(), new)
+    assert_states_equal(arrays.to_torch_state_dict(), new)
     assert metrics["round-failed"] == 0 and server.rounds[-1].error is None
 
 

@@ -52,10 +52,10 @@ def _assert_reloads(cfg, task, state, adapter_dir, base_factory, atol=0.0):
 
 
 def test_simulation_saves_an_adapter_with_identical_logits(tmp_path):
-    from test_fed_cli import _user_model_and_data
+    from fed_support import user_model_and_data
     from transformers import AutoModelForSequenceClassification
 
-    model_dir, data = _user_model_and_data(tmp_path, "csv")
+    model_dir, data = user_model_and_data(tmp_path, "csv")
     user = [
         "--model",
         str(model_dir),
@@ -120,9 +120,9 @@ def test_flower_run_saves_the_adapter_and_removes_its_private_workdir(tmp_path, 
     """One small real federation (test_fed_runners.CFG, one round): the adapter is saved, the temp folder with
     the CA and node keys is gone afterwards, and no process is left."""
     pytest.importorskip("flwr")
+    from fed_support import CFG, marked_processes
     from peft_lalora.federated.flower import run as flower_run
     from peft_lalora.federated.flower import run_flower
-    from test_fed_runners import CFG, _marked_processes
 
     made = []
     real_new = flower_run.new_workdir
@@ -134,7 +134,7 @@ def test_flower_run_saves_the_adapter_and_removes_its_private_workdir(tmp_path, 
     print(f"flower run with --save-adapter: {time.perf_counter() - t0:.1f}s")
     assert len(made) == 1 and not made[0].exists()
     assert out["workdir"] is None and out["state_path"] is None
-    assert out["leftover_pids"] == [] and _marked_processes(out["federation_id"]) == []
+    assert out["leftover_pids"] == [] and marked_processes(out["federation_id"]) == []
     task = build_task(cfg)
     sim = run_simulation(cfg, progress=False, task=task)  # Flower's global adapter is this one (test_fed_deploy)
     _assert_reloads(cfg, task, sim.state, tmp_path / "adapter", task.model, atol=1e-5)

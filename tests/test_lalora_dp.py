@@ -15,7 +15,7 @@ opacus_spectral = pytest.importorskip("opacus_spectral")
 from opacus.utils.batch_memory_manager import BatchMemoryManager  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_lalora_support import batch, build, changed_factors, factor_snapshot  # noqa: E402
+from lalora_support import batch, build, changed_factors, factor_snapshot  # noqa: E402
 
 import peft_lalora  # noqa: E402
 from peft_lalora import AlternationController  # noqa: E402

@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from peft.tuners.lora import LoraLayer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_lalora_support import batch, bert_base, build, gpt2_base  # noqa: E402
+from lalora_support import batch, bert_base, build, gpt2_base  # noqa: E402
 
 import peft_lalora  # noqa: E402
 from peft_lalora import LALoraConfig, export_as_lora  # noqa: E402

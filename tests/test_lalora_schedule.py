@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_lalora_support import batch, build, changed_factors, factor_snapshot  # noqa: E402
+from lalora_support import batch, build, changed_factors, factor_snapshot  # noqa: E402
 
 import peft_lalora  # noqa: E402
 from peft_lalora import AlternationController, phase_at  # noqa: E402
@@ -241,8 +241,8 @@ def test_controller_bad_input() -> None:
         AlternationController(model, None, mode="sometimes")
     with pytest.raises(TypeError, match="torch optimizer"):
         AlternationController(model, object())
+    from lalora_support import bert_base
     from peft import LoraConfig, get_peft_model
-    from test_lalora_support import bert_base
 
     plain = get_peft_model(bert_base(), LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
     with pytest.raises(ValueError, match="pass mode="):

@@ -76,3 +76,13 @@ def test_no_formatter_skips():
         if "fmt: " + "skip" in line or "fmt: " + "off" in line
     ]
     assert not hits, hits
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in support modules (``*_support.py``, ``fed_tiny.py``, ``conftest.py``), never in a
+    ``test_*.py`` module another one imports (so that each test module runs, and is collected, on its own)."""
+    pattern = re.compile(r"^\s*(from|import)\s+test_\w+", re.MULTILINE)
+    hits = sorted(p.name for p in (ROOT / "tests").glob("*.py") if pattern.search(p.read_text(encoding="utf-8")))
+    assert not hits, hits
+    helpers = [p.name for p in (ROOT / "tests").glob("test_*.py") if "def test_" not in p.read_text(encoding="utf-8")]
+    assert not helpers, f"test modules without tests: {helpers}"

@@ -56,7 +56,7 @@ def test_atomic_write_leaves_no_temporary_and_replaces_whole(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_two_grid_workers_share_one_grid_without_training_a_run_twice(tmp_path: Path) -> None:
     pytest.importorskip("opacus_spectral")
-    from test_grid import synthetic_fmnist  # the tests folder is on sys.path (pytest's rootdir-relative import)
+    from fmnist_support import synthetic_fmnist  # the tests folder is on sys.path (pytest's pythonpath)
 
     env = {**os.environ, "FASHION_MNIST_ROOT": str(synthetic_fmnist(tmp_path / "data"))}
     cmd = [

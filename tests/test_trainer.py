@@ -11,76 +11,20 @@ import opacus.optimizers.optimizer as opacus_optimizer
 import opacus_spectral.hf as hf
 import pytest
 import torch
-from dp_bench.data import synthetic_text_task, tiny_bert
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus_spectral.hf import DPTrainer
 from opacus_spectral.trainer_budget import epsilon_after
 from opacus_spectral.trainer_state import DP_STATE_FILE
 from peft import PeftModel, get_peft_model
+from text_support import synthetic_text_task, tiny_bert
 from torch import nn
 from torch.utils.data import DataLoader
+from trainer_support import ACCUM, NOISE_SEED, PHYSICAL, N, Recorder, adamw, args, dataset, lalora_model, trainer
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import peft_lalora  # noqa: F401  (registers the LALORA PEFT type)
 from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
-from peft_lalora import AlternationController, LALoraConfig
-
-N, PHYSICAL, ACCUM, LR = 64, 8, 2, 1e-2  # logical batch 16, sample rate 1/4, 4 steps per epoch
-NOISE_SEED = 2024  # the comparison with the hand-written loop needs the same noise (reproducible, not private)
-
-
-def lalora_model(seed: int = 0, alternation: str = "step") -> nn.Module:
-    model = tiny_bert(seed=seed)
-    for m in model.modules():  # no dropout: the two loops then consume the global RNG identically
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    cfg = LALoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["query", "value"],
-        task_type="SEQ_CLS",
-        alternation=alternation,
-    )
-    with torch.random.fork_rng(devices=[]):  # LoRA's A is drawn from the global RNG
-        torch.manual_seed(seed)
-        return get_peft_model(model, cfg)
-
-
-def dataset():
-    return synthetic_text_task(N, seq_len=16, seed=0)
-
-
-def adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-
-
-def args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=PHYSICAL,
-        gradient_accumulation_steps=ACCUM,
-        max_steps=4,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
-
-
-def trainer(tmp_path, model=None, *, train_args=None, **kw) -> DPTrainer:
-    model = model if model is not None else lalora_model()
-    dp = dict(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, accountant="rdp")
-    dp.update(kw)
-    return DPTrainer(
-        model=model, args=train_args or args(tmp_path), train_dataset=dataset(), optimizers=(adamw(model), None), **dp
-    )
+from peft_lalora import AlternationController
 
 
 class Seed(TrainerCallback):
@@ -159,18 +103,6 @@ def test_trainer_run_matches_hand_written_opacus_loop(tmp_path):
     with torch.no_grad():
         kw = {k: x[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
         assert torch.allclose(loaded(**kw).logits, model(**kw).logits, atol=1e-6)
-
-
-class Recorder:
-    """A post-hook that keeps every step's noisy gradients (copies) and sigma."""
-
-    name = "recorder"
-
-    def __init__(self):
-        self.steps = []
-
-    def __call__(self, records):
-        self.steps.append({r.name: (r.tensor.detach().clone(), r.sigma) for r in records})
 
 
 def test_one_noise_draw_per_logical_batch(tmp_path, monkeypatch):
@@ -412,8 +344,8 @@ def test_token_level_labels_are_each_examples_own_mean_in_hooks_and_ghost(tmp_pa
     the model's mean over the batch's tokens, which couples the examples), so hooks and ghost mode release the same
     gradient (noise 0, the same noise_seed: the same Poisson batch); the task comes from the PEFT task_type."""
     import datasets
-    from dp_bench.data import tiny_bert_config
     from peft import LoraConfig
+    from text_support import tiny_bert_config
     from transformers import BertForTokenClassification
 
     base = synthetic_text_task(N, seq_len=16, seed=0)[:]

@@ -248,7 +248,7 @@ def test_fsdp_is_refused_naming_torchrun_data_parallel(results):
 
 
 def test_causal_lm_evaluation_across_processes_is_refused(tmp_path, monkeypatch):
-    from test_trainer_causal_lm import args, lm_dataset, lora_llama, trainer
+    from causal_lm_support import args, lm_dataset, lora_llama, trainer
     from transformers import TrainingArguments
 
     data = lm_dataset(8)

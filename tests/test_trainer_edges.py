@@ -11,8 +11,8 @@ import pytest
 import torch
 from opacus_spectral.hf import DPTrainer
 from opacus_spectral.trainer_budget import epsilon_after
-from test_trainer import NOISE_SEED, Recorder, adamw, args, dataset, lalora_model, trainer
 from torch import nn
+from trainer_support import NOISE_SEED, Recorder, adamw, args, dataset, lalora_model, trainer
 
 NON_PRIVATE = {"allow_non_private": True}
 
