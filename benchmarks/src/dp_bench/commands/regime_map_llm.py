@@ -305,18 +305,17 @@ def tables(result: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "| point | B | C | depth | σ₁/edge | σ₁(clean)/BBP | gated: rmt_paper / rmt |",
+        "| point | B | C | module or depth | σ₁/edge (median) | σ₁(clean)/BBP (median) | gated: rmt_paper / rmt |",
         "|---|---|---|---|---|---|---|",
     ]
     for point, cells in result["points"].items():
         for cell in cells:
             for grp, v in summary(cell)["groups"].items():
-                if grp.startswith("depth"):
-                    lines.append(
-                        f"| {point} | {cell['batch']} | {cell['clip']:g} | {grp} | {v['edge_ratio']:.2f} | "
-                        f"{v['bbp_ratio']:.2f} | {100 * v['gated_share']['rmt_paper']:.0f} % / "
-                        f"{100 * v['gated_share']['rmt']:.0f} % |"
-                    )
+                gated = v["gated_share"]
+                lines.append(
+                    f"| {point} | {cell['batch']} | {cell['clip']:g} | {grp} | {v['edge_ratio']:.2f} | "
+                    f"{v['bbp_ratio']:.2f} | {100 * gated['rmt_paper']:.0f} % / {100 * gated['rmt']:.0f} % |"
+                )
     return "\n".join(lines) + "\n"
 
 
