@@ -206,6 +206,7 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
         "demo",
         "centralized",
         "regime-map",
+        "regime-map-llm",
         "federated",
         "overhead",
         "noise-std",
