@@ -12,6 +12,7 @@ from opacus_spectral.hf import DPTrainer
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
+from trainer_support import quiet_cpu_args
 from transformers import (
     DataCollatorForLanguageModeling,
     LlamaConfig,
@@ -86,23 +87,14 @@ def lora_llama(config=None, seed: int = 0) -> nn.Module:
 
 
 def args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path),
+    run = dict(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         max_steps=1,
         learning_rate=1.0,
-        lr_scheduler_type="constant",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         per_device_eval_batch_size=8,
     )
-    base.update(kw)
-    return TrainingArguments(**base)
+    return quiet_cpu_args(tmp_path, **{**run, **kw})
 
 
 def trainer(tmp_path, model, data, *, train_args=None, lr: float = 1.0, **kw) -> DPTrainer:

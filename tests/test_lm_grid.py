@@ -16,27 +16,28 @@ import torch
 
 pytest.importorskip("datasets")
 from dp_bench.commands import grid, lm_report  # noqa: E402
-from dp_bench.lm_task import lm_score, perplexity  # noqa: E402
+from dp_bench.lm_task import lm_score, perplexity, tiny_lm_task  # noqa: E402
 from dp_bench.train import run_dp  # noqa: E402
 
 from opacus_spectral import causal_lm_loss  # noqa: E402
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    return LlamaForCausalLM(cfg)
-
-
 def blocks(n: int, length: int = 8, seed: int = 0) -> torch.utils.data.TensorDataset:
-    ids = torch.randint(0, 61, (n, length), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 61, (n, length), generator=torch.Generator().manual_seed(seed))  # tiny_lm_task's vocab
     return torch.utils.data.TensorDataset(ids, ids.clone())
 
 
+def one_trainable_matrix() -> torch.nn.Module:
+    """tiny_lm_task's Llama in training mode with one trainable matrix (a first-layer q_proj)."""
+    model = tiny_lm_task(n_train=4).base.train()
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    return model
+
+
 def test_lm_score_is_minus_the_mean_token_nll_whatever_the_batch() -> None:
-    model, data = tiny_llama().eval(), blocks(10)
+    task = tiny_lm_task(n_train=4, n_eval=10)
+    model, data = task.base, task.test
+    assert task.initial_test == lm_score(model, data)
     with torch.no_grad():
         ids = data.tensors[0]
         expected = causal_lm_loss(model(input_ids=ids).logits, ids).item()  # equal-length blocks: token mean
@@ -51,12 +52,15 @@ def test_lm_score_is_minus_the_mean_token_nll_whatever_the_batch() -> None:
 
 
 def test_run_dp_trains_a_causal_lm_through_empty_poisson_batches() -> None:
-    """Expected batch 2 of 40 blocks split into physical batches of 1: many physical batches are empty (the
-    model cannot run zero rows); each logical step is still a DP step, and the score curve is -log perplexity."""
-    model = tiny_llama()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    """Expected batch 2 of 40 blocks split into physical batches of 1: some logical batches are empty (the model
+    cannot run zero rows; the Poisson draw is fixed by run_dp's noise_seed). Such a step is still a DP step, with
+    a clean clipped sum of exactly 0 (noise only); the score curve is -log perplexity."""
+    model = one_trainable_matrix()
+    clean = []
+
+    def clean_sum(step, entry, dp_opt):  # the clean clipped sum of the step (before noise), per step
+        clean.append(sum(float(p.summed_grad.abs().sum()) for p in dp_opt.params))
+
     r = run_dp(
         model,
         blocks(40),
@@ -74,13 +78,17 @@ def test_run_dp_trains_a_causal_lm_through_empty_poisson_batches() -> None:
         evaluator=lm_score,
         eval_sets={"val": blocks(4, seed=2)},
         eval_sets_at=[6],
+        on_step=clean_sum,
     )
     assert len(r["per_step"]) == 6 and [s for s, _ in r["curve"]] == [0, 6]
     assert [s for s, _ in r["curves"]["val"]] == [6]  # the extra set only where asked
     assert all(v < 0 for _, v in r["curve"]) and 0 < r["epsilon"] < math.inf
+    empty = [i for i, e in enumerate(r["per_step"]) if math.isnan(e["loss"])]  # last physical batch empty
+    assert empty and all(clean[i] == 0.0 for i in empty) and max(clean) > 0
+    assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
     with pytest.raises(ValueError, match="ghost"):
         run_dp(
-            tiny_llama(),
+            one_trainable_matrix(),
             blocks(4),
             blocks(2),
             input_names=("input_ids",),

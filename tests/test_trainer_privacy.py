@@ -11,12 +11,13 @@ import warnings
 import datasets
 import pytest
 import torch
-from dp_bench.data import synthetic_text_task, tiny_bert
 from opacus_spectral.hf import DPTrainer
 from opacus_spectral.trainer_logs import PUBLIC_LOG_KEYS
 from opacus_spectral.trainer_state import DP_STATE_FILE
 from peft import LoraConfig, get_peft_model
+from text_support import synthetic_text_task, tiny_bert
 from torch import nn
+from trainer_support import quiet_cpu_args
 from transformers import TrainerCallback, TrainingArguments
 
 from opacus_spectral import ReproducibleNoiseWarning
@@ -44,22 +45,8 @@ def records(flip: bool = False) -> datasets.Dataset:
 
 
 def train_args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=N,
-        max_steps=1,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=42,
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
+    run = dict(per_device_train_batch_size=N, max_steps=1, learning_rate=LR, seed=42)
+    return quiet_cpu_args(tmp_path, **{**run, **kw})
 
 
 def one_step(tmp_path, *, flip: bool = False, **dp) -> torch.Tensor:

@@ -43,13 +43,11 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def args(tmp_path, **kw) -> TrainingArguments:
+def quiet_cpu_args(tmp_path, **kw) -> TrainingArguments:
+    """The Trainer on the CPU in ``tmp_path``: constant lr, a log record every step, no checkpoints, no
+    integrations, no progress bar, no loader workers; ``kw`` sets or overrides any argument."""
     base = dict(
         output_dir=str(tmp_path),
-        per_device_train_batch_size=PHYSICAL,
-        gradient_accumulation_steps=ACCUM,
-        max_steps=4,
-        learning_rate=LR,
         lr_scheduler_type="constant",
         use_cpu=True,
         report_to=[],
@@ -58,8 +56,12 @@ def args(tmp_path, **kw) -> TrainingArguments:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    base.update(kw)
-    return TrainingArguments(**base)
+    return TrainingArguments(**{**base, **kw})
+
+
+def args(tmp_path, **kw) -> TrainingArguments:
+    run = dict(per_device_train_batch_size=PHYSICAL, gradient_accumulation_steps=ACCUM, max_steps=4, learning_rate=LR)
+    return quiet_cpu_args(tmp_path, **{**run, **kw})
 
 
 def trainer(tmp_path, model=None, *, train_args=None, **kw) -> DPTrainer:

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LMTask", "LORA", "lm_score", "lora_model", "perplexity", "smollm2_shakespeare_task", "tiny_lm_task"]
+__all__ = [
+    "LMTask",
+    "LORA",
+    "lm_score",
+    "lora_model",
+    "perplexity",
+    "run_options",
+    "smollm2_shakespeare_task",
+    "tiny_lm_task",
+]
 
 #: paper A's generation setting: LoRA rank, alpha and target modules
 LORA: dict[str, Any] = {"r": 32, "lora_alpha": 64, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
@@ -102,6 +111,14 @@ def tiny_lm_task(n_train: int = 64, n_eval: int = 8, block_size: int = 8, seed: 
     task.info["lora_matrices"] = 2 * len(LORA["target_modules"]) * config.num_hidden_layers
     task.initial_test = lm_score(model, task.test)
     return task
+
+
+def run_options(task: LMTask) -> dict[str, Any]:
+    """What :func:`dp_bench.train.run_dp` needs for a causal LM (hooks modes): the per-example loss, the score
+    (:func:`lm_score`, batches of 32) and the base model's test score as step 0 (LoRA's B starts at 0)."""
+    from opacus_spectral import causal_lm_loss
+
+    return {"criterion": causal_lm_loss, "evaluator": lm_score, "eval_batch": 32, "initial_accuracy": task.initial_test}
 
 
 def lora_model(task: LMTask, seed: int) -> nn.Module:

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config, same_config
-from ..lm_task import LMTask, lm_score, lora_model, smollm2_shakespeare_task
+from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task
 from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..store import POLL_SECONDS, SharedResult
@@ -294,16 +294,7 @@ def bed_options(cfg: Config, task: ImageTask | FrozenTextTask | LMTask, batch: i
     the causal LM also its loss, its score (``-log`` perplexity), validation at the last step only (the lr choice
     reads nothing else) and the base model's test score as step 0 (LoRA's B starts at 0)."""
     if isinstance(task, LMTask):
-        from opacus_spectral import causal_lm_loss
-
-        return {
-            "physical_batch": cfg.physical_batch or batch,
-            "eval_batch": 32,
-            "criterion": causal_lm_loss,
-            "evaluator": lm_score,
-            "eval_sets_at": [steps],
-            "initial_accuracy": task.initial_test,
-        }
+        return {**run_options(task), "physical_batch": cfg.physical_batch or batch, "eval_sets_at": [steps]}
     sort = isinstance(task, FrozenTextTask) and cfg.physical_batch > 0
     # evaluation splits sorted by length (load_task): small batches trim their padding (accuracy is batch-free;
     # MiniLM at 128 rather than 2,000 per batch: evaluation ≈ 2× faster)

@@ -30,7 +30,7 @@ from ..analysis import fmt_p, holm_family, mean_std, paired_ci, steps_to_reach
 
 BASELINE = "none"
 REFERENCES = ("nonprivate", "clip-only")
-#: paper A's smallest reported gains: 15.6 % fewer steps, 0.17 ε saved (issue "Evidence where paper A ...")
+#: paper A's smallest reported gains: 15.6 % fewer steps, 0.17 ε saved (docs/results.md §10, "Metrics")
 SMALLEST_GAIN = {"perplexity": 0.0, "fewer_steps": 0.156, "epsilon_saved": 0.17}
 
 
@@ -89,8 +89,9 @@ def _reach(run: dict[str, Any], target: float) -> tuple[int, bool]:
     return run["steps"] + interval, False
 
 
-def _method(seeds: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], private: bool) -> dict[str, Any]:
-    """One method's numbers: perplexity per step (mean ± s.d.) and, against ``base``, the paired metrics."""
+def _method(seeds: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], compare: bool) -> dict[str, Any]:
+    """One method's numbers: perplexity per step (mean ± s.d.) and, when ``compare``, the paired metrics
+    against ``base`` (the ``none`` arm)."""
     any_run = next(iter(seeds.values()))
     steps = [s for s, _ in any_run["test"]]
     entry: dict[str, Any] = {
@@ -100,7 +101,7 @@ def _method(seeds: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], p
         "gated_per_step": _mean_of(seeds, "gated_per_step"),
     }
     common = sorted(set(seeds) & set(base))
-    if not private or not common or seeds is base:
+    if not compare or not common:
         return entry
     entry["perplexity_gain_vs_none"] = {  # none − method: positive when the method's perplexity is lower
         str(s): paired_ci([_ppl(base[k]["test"][i][1]) - _ppl(seeds[k]["test"][i][1]) for k in common])
@@ -157,7 +158,7 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
     for (o, b, e), methods in sorted(_cells(result).items()):
         base = methods.get(BASELINE, {})
         key = f"{o}|B{b}|eps{e:g}"
-        cells[key] = {m: _method(seeds, base, m not in REFERENCES) for m, seeds in methods.items()}
+        cells[key] = {m: _method(seeds, base, m not in (BASELINE, *REFERENCES)) for m, seeds in methods.items()}
     an: dict[str, Any] = {"cells": cells}
     comparisons = family(an)
     holm_family([ci for _, _, ci, _ in comparisons])

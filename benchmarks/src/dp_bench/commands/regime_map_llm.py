@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..config import as_json, command_line, opt, parse_config
-from ..lm_task import LMTask, lm_score, lora_model, smollm2_shakespeare_task, tiny_lm_task
+from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task, tiny_lm_task
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..train import run_dp
 
@@ -154,8 +154,7 @@ def _calibrated(epsilon: float, q: float, steps: int) -> float:
 
 
 def _dp(task: LMTask, model: torch.nn.Module, cfg: Config, **kw: Any) -> dict[str, Any]:
-    from opacus_spectral import causal_lm_loss
-
+    """``run_dp`` without a denoiser on the causal LM (:func:`dp_bench.lm_task.run_options`)."""
     return run_dp(
         model,
         task.train,
@@ -163,11 +162,9 @@ def _dp(task: LMTask, model: torch.nn.Module, cfg: Config, **kw: Any) -> dict[st
         input_names=task.input_names,
         post_hooks=[],
         physical_batch=cfg.physical_batch,
-        criterion=causal_lm_loss,
-        evaluator=lm_score,
-        eval_batch=32,
         oracle=False,
         per_param=False,
+        **run_options(task),
         **kw,
     )
 
@@ -230,7 +227,6 @@ def warm_state(task: LMTask, cfg: Config) -> tuple[dict[str, torch.Tensor], dict
         lr=cfg.warm_lr,
         max_grad_norm=1.0,
         eval_at=[0, cfg.warm_steps],
-        initial_accuracy=task.initial_test,
         desc="warm-up",
     )
     info = {"noise_multiplier": nm, "epsilon": r["epsilon"], "lr": cfg.warm_lr}
