@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny models and data, CPU by default (OPACUS_SPECTRAL_TEST_DEVICE=cuda for the GPU check)."""
+"""Shared fixtures: tiny models and data, CPU by default (OPACUS_SPECTRAL_TEST_DEVICE=cuda for the GPU check).
+
+The tests live by distribution (``opacus_spectral/``, ``peft_lalora/``, ``harness/``, and ``repository/`` for the
+checks of the whole repository); the support modules they share live here, in ``tests/``."""
 
 from __future__ import annotations
 
@@ -6,8 +9,12 @@ import os
 
 import pytest
 import torch
+from repo_support import subprocess_env
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# every process a test starts (a Flower SuperNode or ServerApp rebuilding ``fed_tiny:tiny``, a torchrun rank, a
+# ``python -c`` probe) inherits the environment: name the support folder there as pytest's ``pythonpath`` does here
+os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]
 
 
 @pytest.fixture
@@ -19,7 +26,7 @@ def device() -> torch.device:
 #: 10 s on 2 cores: their tests are ``slow``, left out of the fast lane ``pytest -m "not slow"`` (README)
 SLOW_MODULES = frozenset(
     {
-        "test_audit",
+        "test_audit_runs",
         "test_benchmarks_smoke",
         "test_ddp",
         "test_fed_cli",
@@ -39,6 +46,7 @@ SLOW_MODULES = frozenset(
         "test_trainer_causal_lm",
         "test_trainer_ddp",
         "test_trainer_privacy",
+        "test_trainer_smollm2",
     }
 )
 #: markers whose tests are slow wherever they are (processes, real federations, Opacus' own test suite)

@@ -14,7 +14,7 @@ from peft_lalora.federated.config import FederationConfig
 
 # LA-LoRA (step alternation) with the paper's binomial low-pass filter, DP via calibrated noise.
 CFG = dict(
-    task="dp_bench.task:tiny",
+    task="fed_tiny:tiny",
     algo="la-lora",
     filter="binomial5",
     num_clients=2,
@@ -64,7 +64,7 @@ def marked_processes(marker: str) -> list[int]:
 
 def user_model_and_data(tmp_path, fmt: str):
     """A tiny BERT saved with its own WordPiece tokenizer, and a labelled text file (string labels)."""
-    from dp_bench.data import tiny_bert
+    from text_support import tiny_bert
     from transformers import BertTokenizerFast
 
     words = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "the", "was"]

@@ -1,4 +1,5 @@
-"""A pytest plugin for running Opacus' own test modules in a subprocess (``tests/test_opacus_upstream.py``).
+"""A pytest plugin for running Opacus' own test modules in a subprocess
+(``tests/opacus_spectral/test_opacus_upstream.py``).
 
 Loaded with ``-p opacus_upstream_shim`` before the test modules are imported, it
 

@@ -6,7 +6,7 @@ depends on the other examples' lengths, and adding, removing or lengthening one 
 other example's contribution to the clipped sum, whose sensitivity is then no longer bounded by the
 clipping norm C. Here example i's loss is ``l_i = sum_t CE(i, t) / n_i`` over its own ``n_i`` targets
 (0 when it has none), so its gradient is a function of example i alone and the clipped sum changes by at
-most C between neighbouring batches (``tests/test_causal_lm_loss.py`` checks it in hooks, functorch and
+most C between neighbouring batches (``tests/opacus_spectral/test_causal_lm_loss.py`` checks it in hooks, functorch and
 ghost modes, and that it fails for the batch-token mean).
 
 * :func:`per_sequence_loss` — the vector ``(l_1, ..., l_B)``; the one implementation.

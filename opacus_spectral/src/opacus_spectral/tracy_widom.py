@@ -21,7 +21,7 @@ __all__ = ["TW1_LOG10_ALPHA", "TW1_QUANTILES", "tracy_widom_quantile", "tracy_wi
 # Fredholm-determinant formula F1(s) = det(I − K_s) on L²(0, ∞), K_s(x, y) = Ai(x + y + s), by Bornemann's
 # (2010) Nyström method (100-point Gauss–Legendre on [0, 14]); quantiles by Brent root finding to 1e-13.
 # They agree with the published values (Johnstone 2001 Table 1; Bejan 2005; docs/math.md §1.7): 0.90 → 0.4501,
-# 0.95 → 0.9793, 0.99 → 2.0234. tests/test_spectral.py recomputes a few entries when scipy is available.
+# 0.95 → 0.9793, 0.99 → 2.0234. tests/opacus_spectral/test_spectral.py recomputes a few entries when scipy is available.
 TW1_LOG10_ALPHA: tuple[float, ...] = tuple(-k / 10 for k in range(3, 81))
 TW1_QUANTILES: tuple[float, ...] = (
     -1.272311,

@@ -3,7 +3,8 @@
 Under bf16 autocast Opacus' grad samplers compute each example's gradient from bfloat16 activations and
 backprops, so ``p.grad_sample`` is bfloat16, and ``DPOptimizer.clip_and_accumulate`` takes the per-example norms
 of those bfloat16 tensors in bfloat16: the clip factor ``C / norm`` is then off by up to bfloat16's rounding and a
-clipped example's norm exceeds C (up to 1.007·C measured on the tiny Llama of ``tests/test_trainer_causal_lm.py``),
+clipped example's norm exceeds C (up to 1.007·C measured on the tiny Llama of
+``tests/opacus_spectral/test_trainer_causal_lm.py``),
 so the sensitivity the accountant assumes no longer holds. :func:`upcast_grad_samples` turns the per-sample
 gradients into the parameter's float32 before clipping: norms, clip factors, the clipped sum, the noise and the
 released gradient are then float32, which is also what the post-noise denoisers receive.

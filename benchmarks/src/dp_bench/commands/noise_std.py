@@ -1,7 +1,7 @@
 """Measure the per-entry noise std in ``p.grad`` for each Opacus case and compare it with ``noise_std()``.
 
 A zero clipped sum (loss × 0) leaves ``p.grad`` pure noise; 18,688 entries per case (an MLP 16 → 128 → 128,
-nm = 1.3, C = 0.7, B = 16). DDP is measured by ``tests/test_ddp.py``. Prints a markdown table (~10 s)::
+nm = 1.3, C = 0.7, B = 16). DDP is measured by ``tests/opacus_spectral/test_ddp.py``. Prints a markdown table (~10 s)::
 
     dp-bench noise-std
 """

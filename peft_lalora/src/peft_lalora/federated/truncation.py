@@ -10,7 +10,8 @@ but the first ``n`` tokens: one 23 MB cell cost 3.4 GB and 41 s. The rule here:
 * the cut is kept only if the prefix alone still has at least ``max_length`` tokens (without special
   tokens); otherwise — a long run of whitespace, or one giant word — the full text is tokenized (exact, slow).
 
-So the kept tokens are the same as without the cut (:func:`cut_texts`; tested in ``tests/test_fed_inputs.py``).
+So the kept tokens are the same as without the cut (:func:`cut_texts`; tested in
+``tests/peft_lalora/test_fed_inputs.py``).
 """
 
 from __future__ import annotations

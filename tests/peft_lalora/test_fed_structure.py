@@ -1,0 +1,193 @@
+"""How the federated package is put together: the run's configuration reaches the client settings and the task
+settings by explicit construction (a field added on one side fails here until the builder names it), the
+configuration imports none of its builders, no import circle among the package's modules, the Flower deployment
+behind its subpackage, and the old import paths still working (deprecated)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from repo_support import ROOT
+
+PACKAGE = ROOT / "peft_lalora" / "src" / "peft_lalora" / "federated"
+
+
+def _recorder(monkeypatch, module, name):
+    """Replace ``module.name`` by a function that records the keywords it is called with."""
+    seen: dict = {}
+
+    def record(**kw):
+        seen.update(kw)
+        return kw
+
+    monkeypatch.setattr(module, name, record)
+    return seen
+
+
+def test_client_config_names_every_client_config_field(monkeypatch):
+    from peft_lalora.federated import builders
+    from peft_lalora.federated.client import ClientConfig
+    from peft_lalora.federated.config import FederationConfig
+
+    seen = _recorder(monkeypatch, builders, "ClientConfig")
+    builders.client_config(FederationConfig())
+    fields = {f.name for f in dataclasses.fields(ClientConfig)}
+    kept = set(builders.CLIENT_DEFAULTS_KEPT)
+    assert not set(seen) & kept, "a field both set and listed as left at its default"
+    assert set(seen) | kept == fields, f"not named by client_config: {sorted(fields - set(seen) - kept)}"
+
+
+def test_client_config_carries_the_run_values():
+    from peft_lalora.federated.builders import client_config
+    from peft_lalora.federated.config import FederationConfig
+
+    cfg = FederationConfig(
+        local_steps=7, batch_size=3, lr=0.25, optimizer="sgd", weight_decay=0.5, b_lr_ratio=2.0, max_grad_norm=0.7
+    )
+    cc = client_config(cfg)
+    for name in ("local_steps", "batch_size", "lr", "optimizer", "weight_decay", "b_lr_ratio", "max_grad_norm"):
+        assert getattr(cc, name) == getattr(cfg, name), name
+    assert (cc.target_epsilon, cc.planned_steps, cc.noise_multiplier) == (cfg.epsilon, 3 * 7, None)
+    plain = client_config(FederationConfig(epsilon=0, noise_multiplier=1.5, delta=1e-6, accountant="prv"))
+    assert (plain.noise_multiplier, plain.target_epsilon, plain.delta, plain.accountant) == (1.5, None, 1e-6, "prv")
+
+
+def test_task_settings_name_every_task_settings_field(monkeypatch):
+    from peft_lalora.federated import config
+
+    cfg = config.FederationConfig(seed=5, n_train=9)
+    fields = {f.name for f in dataclasses.fields(config.TaskSettings)}
+    seen = _recorder(monkeypatch, config, "TaskSettings")
+    cfg.task_settings()
+    assert set(seen) == fields
+    assert seen["seed"] == 5 and seen["n_train"] == 9
+
+
+def test_task_factories_get_the_task_settings():
+    from peft_lalora.federated.config import FederationConfig, TaskSettings
+    from peft_lalora.federated.task import build_task
+
+    cfg = FederationConfig(task="fed_tiny:tiny", n_train=24, n_test=8, seed=3)
+    task = build_task(cfg)
+    assert task.key == dataclasses.asdict(cfg.task_settings()) == cfg.task_key()
+    assert build_task(cfg.task_settings()).key == task.key
+    with pytest.raises(ValueError, match="test_fraction"):
+        TaskSettings(test_fraction=1.0)
+
+
+def test_deprecated_client_config_method_gives_the_same_settings():
+    from peft_lalora.federated.builders import client_config
+    from peft_lalora.federated.config import FederationConfig
+
+    cfg = FederationConfig(filter="binomial5")
+    with pytest.warns(DeprecationWarning, match="builders.client_config"):
+        assert cfg.client_config() == client_config(cfg)
+
+
+def _imported_after(statement: str) -> set[str]:
+    code = f"import sys\n{statement}\nprint(' '.join(sorted(sys.modules)))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(out.stdout.split())
+
+
+def test_the_config_imports_none_of_its_builders():
+    mods = _imported_after("import peft_lalora.federated.config")
+    builders = ("builders", "task", "client", "server", "simulation", "partition", "flower", "plan", "evaluate")
+    assert not {f"peft_lalora.federated.{m}" for m in builders} & mods
+
+
+def test_the_flower_subpackage_imports_flower_only_with_its_app():
+    assert not {"flwr", "cryptography"} & _imported_after("import peft_lalora.federated.flower")
+    assert "flwr" not in _imported_after("from peft_lalora.federated.flower import run_flower, LocalFederation")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("peft_lalora", *parts))
+
+
+def _top_level_imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """Package modules imported when ``path`` is imported: module level, not under ``if TYPE_CHECKING``."""
+    is_package = path.name == "__init__.py"
+    base = name if is_package else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
+                target = f"{anchor}.{node.module}" if node.module else anchor
+            else:
+                target = node.module or ""
+            candidates = [target, *(f"{target}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        out |= {c for c in candidates if c in modules and c != name}
+    return out
+
+
+def test_no_import_circle_among_the_federated_modules():
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _top_level_imports(path, name, set(files)) for name, path in files.items()}
+    assert graph["peft_lalora.federated.builders"] >= {"peft_lalora.federated.config", "peft_lalora.federated.task"}
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            pytest.fail("import circle: " + " -> ".join([*stack[stack.index(node) :], node]))
+        if node in done:
+            return
+        for nxt in sorted(graph[node]):
+            visit(nxt, [*stack, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("peft_lalora.federated.federation", "FederationConfig", "peft_lalora.federated.config"),
+        ("peft_lalora.federated.federation", "make_peft_model", "peft_lalora.federated.builders"),
+        ("peft_lalora.federated.launcher", "run_flower", "peft_lalora.federated.flower.run"),
+        ("peft_lalora.federated.launcher", "LocalFederation", "peft_lalora.federated.flower.launcher"),
+        ("peft_lalora.federated.launcher", "TLSConfig", "peft_lalora.federated.flower.certificates"),
+    ],
+)
+def test_old_import_paths_still_work_and_warn(monkeypatch, old, name, new):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_old_flower_app_path_still_names_the_components(monkeypatch):
+    pytest.importorskip("flwr")
+    from peft_lalora.federated.flower import app
+
+    monkeypatch.delitem(sys.modules, "peft_lalora.federated.flower_app", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("peft_lalora.federated.flower_app")
+    assert any("flower.app:server_app" in str(w.message) for w in caught)
+    assert (old.server_app, old.client_app) == (app.server_app, app.client_app)
+
+
+def test_one_table_between_algo_and_alternation():
+    from peft_lalora.federated.builders import make_peft_config
+    from peft_lalora.federated.config import ALGORITHMS, FederationConfig
+
+    assert sorted(ALGORITHMS.values()) == ["freeze_a", "none", "round", "step"]
+    for algo, mode in ALGORITHMS.items():
+        cfg = FederationConfig(algo=algo)
+        assert cfg.alternation == make_peft_config(cfg).alternation == mode
