@@ -88,9 +88,11 @@ def step_record(diag: Any, per_param: bool = True) -> dict[str, Any]:
 def _optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {name!r}")
+    raise ValueError(f"optimizer must be 'adamw', 'adam' or 'sgd', got {name!r}")
 
 
 class _PrivateRun:
@@ -225,9 +227,9 @@ def _make_private(
     loader: torch.utils.data.DataLoader,
     post_hooks: Sequence[Any],
     gradient: Callable[[nn.Module], Any] | None,
-    *,
     grad_sample_mode: str,
-    **options: Any,
+    allow_non_private: bool,
+    options: dict[str, Any],
 ) -> tuple[Any, ...]:
     """``engine.make_private`` with Poisson sampling and the denoisers of ``post_hooks``; without ``gradient``, in
     the ``grad_sample_mode`` the pipeline's gradient estimator works with (:func:`estimator_grad_sample_mode`)."""
@@ -243,6 +245,7 @@ def _make_private(
         poisson_sampling=True,
         post_hooks=denoisers,
         grad_sample_mode=grad_sample_mode,
+        allow_non_private=allow_non_private,
         **options,
     )
 
@@ -333,6 +336,7 @@ def run_dp(
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     evaluator: Evaluator | None = None,
     eval_sets_at: Iterable[int] | None = None,
+    on_private: Callable[[nn.Module, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + score curves.
 
@@ -340,7 +344,9 @@ def run_dp(
     score is measured, and the score of each of ``eval_sets`` (``result["curves"][name]``; only at ``eval_sets_at``
     when given). The score is accuracy, or ``evaluator(module, data, eval_batch)`` (e.g.
     :func:`dp_bench.lm_task.lm_score`); ``criterion(logits, y)`` replaces cross-entropy outside ghost mode (e.g.
-    :func:`opacus_spectral.causal_lm_loss`). ``on_step(step, record, dp_optimizer)`` runs after each logical step.
+    :func:`opacus_spectral.causal_lm_loss`). ``on_private(wrapped_model, dp_optimizer)`` runs once after
+    ``make_private``, before the first step (the audit attaches its canaries there); ``on_step(step, record,
+    dp_optimizer)`` runs after each logical step.
     ``gradient(wrapped_model)`` builds an object whose ``backward(loss_fn)`` replaces ``loss.backward()``; without
     it, the gradient estimator a denoiser of the pipeline offers does (e.g. DiSK's two-point gradient, in the
     ``grad_sample_mode`` it declares: :func:`estimator_grad_sample_mode`). ``sort_by`` (a length per example) sorts
@@ -352,20 +358,11 @@ def run_dp(
     opt = _optimizer([p for p in model.parameters() if p.requires_grad], optimizer, lr, momentum)
     torch.manual_seed(seed + 1)  # the rest of the run's randomness (dropout) is shared by every method of a seed
     engine = _private_engine(accountant, seed)
-    out = _make_private(
-        engine,
-        model,
-        opt,
-        loader,
-        post_hooks,
-        gradient,
-        noise_multiplier=noise_multiplier,
-        max_grad_norm=max_grad_norm,
-        oracle=oracle,
-        grad_sample_mode=grad_sample_mode,
-        allow_non_private=allow_non_private,
-    )
+    private = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, oracle=oracle)
+    out = _make_private(engine, model, opt, loader, post_hooks, gradient, grad_sample_mode, allow_non_private, private)
     run = _PrivateRun(engine, out, input_names, sort_by, gradient, criterion)
+    if on_private is not None:
+        on_private(run.module, run.optimizer)
     evals = _Evaluations(run.module, test, eval_sets, input_names, eval_batch, evaluator, eval_sets_at)
     log, t_train = _train(
         run,

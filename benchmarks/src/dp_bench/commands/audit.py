@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +37,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus_spectral.audit import GradientCanaries, InputCanaries, audit_scores, gaussian_dp_epsilon
 from opacus_spectral.calibration import clean_scale
 from torch import nn
 
-from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, ReproducibleNoiseWarning, available_denoisers
+from opacus_spectral import Denoiser, NoisyGradient, available_denoisers
 
 from ..config import as_json, command_line, opt, parse_config
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..task import fashion_mnist_task
-from ..train import evaluate
+from ..train import evaluate, run_dp
 from ..vision import build
 
 #: method name -> post_hooks (lowpass needs an axis on plain weights: the MLP has no LoRA factors)
@@ -171,43 +169,45 @@ def train(
     lr: float,
     seed: int,
     white_box: int = 0,
+    delta: float = 1e-5,
 ) -> dict[str, Any]:
-    """``steps`` DP-SGD steps of ``method`` (a denoiser list of :data:`METHODS` or a fault); returns the engine,
-    the wrapped model, the gradient canaries (if ``white_box``) and the training time."""
-    opt_ = torch.optim.Adam(model.parameters(), lr=lr)
-    torch.manual_seed(seed + 1)
-    with warnings.catch_warnings():  # paired noise on purpose: the same batches and noise for every method of a seed
-        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        engine = PrivacyEngine(accountant="prv", noise_seed=seed + 1)
+    """``steps`` DP-SGD steps (Adam, PRV accountant) of ``method`` (a denoiser list of :data:`METHODS` or a fault)
+    through the harness's one DP loop (:func:`~dp_bench.train.run_dp`, paired noise: ``noise_seed = seed + 1``);
+    returns the wrapped model, the gradient canaries (if ``white_box``), the accountant's ε at ``delta`` and the
+    training time."""
     fault = None if method in METHODS else parse_fault(method)
     leak = CleanLeak(fault[1]) if fault is not None and fault[0] == "leak" else None
     hooks = list(METHODS[method]) if fault is None else [leak] if leak is not None else []
-    module, dp_opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt_,
-        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-        noise_multiplier=noise_multiplier,
-        max_grad_norm=1.0,
-        poisson_sampling=True,
+    attached: dict[str, Any] = {}
+
+    def attach(module: nn.Module, dp_opt: Any) -> None:
+        if leak is not None:
+            leak.optimizer = dp_opt
+        attached["module"] = module
+        attached["canaries"] = GradientCanaries(dp_opt, white_box, module=module, seed=seed) if white_box else None
+        if fault is not None and fault[0] == "sigma":
+            scale_drawn_noise(dp_opt, 1.0 / fault[1])
+
+    res = run_dp(
+        model,
+        data,
+        data,
+        input_names=None,
         post_hooks=hooks,
+        noise_multiplier=noise_multiplier,
+        batch_size=batch,
+        steps=steps,
+        seed=seed,
+        lr=lr,
+        optimizer="adam",
+        physical_batch=physical,
+        oracle=False,
+        per_param=False,
+        delta=delta,
+        desc=f"audit {method}",
+        on_private=attach,
     )
-    if leak is not None:
-        leak.optimizer = dp_opt
-    canaries = GradientCanaries(dp_opt, white_box, module=module, seed=seed) if white_box else None
-    if fault is not None and fault[0] == "sigma":
-        scale_drawn_noise(dp_opt, 1.0 / fault[1])
-    done, t0 = 0, time.perf_counter()
-    while done < steps:
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=dp_opt) as mem:
-            for x, y in mem:
-                dp_opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(module(x), y).backward()
-                dp_opt.step()
-                if engine.post_hooks.logical_steps > done:  # not a virtual step of BatchMemoryManager
-                    done += 1
-                    if done >= steps:
-                        break
-    return {"engine": engine, "module": module, "canaries": canaries, "seconds": time.perf_counter() - t0}
+    return {**attached, "epsilon": res["epsilon"], "seconds": res["train_seconds"]}
 
 
 def _kind(method: str) -> str:
@@ -229,6 +229,7 @@ def white_box(cfg: Config, task: Any, methods: list[str]) -> list[dict[str, Any]
             lr=cfg.lr,
             seed=cfg.seed,
             white_box=cfg.canaries,
+            delta=cfg.delta,
         )
         can: GradientCanaries = run["canaries"]
         res = can.audit(delta=cfg.delta, confidence=cfg.confidence)
@@ -247,7 +248,7 @@ def white_box(cfg: Config, task: Any, methods: list[str]) -> list[dict[str, Any]
                 "above_accountant_fdp": bool(fdp.epsilon_lower > claimed),
                 "fdp_guesses": fdp.num_guesses,
                 "fdp_correct": fdp.num_correct,
-                "epsilon_accountant_data": float(run["engine"].get_epsilon(cfg.delta)),
+                "epsilon_accountant_data": float(run["epsilon"]),
                 "sigma": noise_multiplier,  # the noise multiplier (key kept: stored results replot)
                 "steps": can.steps,
                 **{k: v for k, v in res.as_dict().items() if k != "epsilon_lower"},
@@ -285,9 +286,10 @@ def black_box(cfg: Config, task: Any) -> list[dict[str, Any]]:
             steps=cfg.bb_steps,
             lr=cfg.lr,
             seed=cfg.seed,
+            delta=cfg.delta,
         )
         res = canaries.audit(run["module"], delta=cfg.delta, confidence=cfg.confidence)
-        claimed = float(run["engine"].get_epsilon(cfg.delta))
+        claimed = float(run["epsilon"])
         rows.append(
             {
                 "method": method,
