@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from .advice import DenoiserAdviceWarning, combination_advice, external_stacklevel
 from .attachment import AFTER_ACCOUNTANT, AFTER_STEP, BEFORE_INNER_STEP, PIPELINE, InnerStep, attachment
 from .calibration import clean_scale, noise_std, world_size
+from .oracle import clean_gradients
 from .parameters import ParamInfo, describe_parameters
 from .pipeline import (
     DEFAULT_MAX_OUTPUT_RATIO,
@@ -178,13 +179,7 @@ class PostHookHandle:
         infos = [self._infos[id(p)] for p in params]
         clean = None
         if self.pipeline.oracle:
-            scale = self._scale if self._scale is not None else clean_scale(opt)
-            clean = [
-                (p.summed_grad.view_as(p.grad) * scale)
-                if getattr(p, "summed_grad", None) is not None
-                else torch.full_like(p.grad, float("nan"))
-                for p in params
-            ]
+            clean = clean_gradients(opt, params, scale=self._scale)
         try:
             out = self.pipeline.run([p.grad for p in params], infos, sigma, clean)
         except BaseException:  # DenoiserError, NonFiniteGradientError, or anything else (even an interrupt):

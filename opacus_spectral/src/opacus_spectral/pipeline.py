@@ -54,6 +54,7 @@ from .denoiser import (
 )
 from .denoiser import selects_record as _selects_record
 from .noise_state import NoiseState
+from .oracle import cosine
 from .parameters import ParamInfo
 from .records import NoisyGradient
 from .validation import TensorSpec, noise_norms, output_bounds, output_problem
@@ -118,13 +119,6 @@ def _splice(current: Sequence[torch.Tensor], index: Sequence[int], outs: Sequenc
     for k, o in zip(index, outs, strict=True):
         new[k] = o
     return new
-
-
-def _cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    num = sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True))
-    na = sum(float(x.double().pow(2).sum()) for x in a) ** 0.5
-    nb = sum(float(y.double().pow(2).sum()) for y in b) ** 0.5
-    return num / (na * nb) if na > 0 and nb > 0 else float("nan")
 
 
 class PostNoisePipeline:
@@ -465,10 +459,10 @@ class PostNoisePipeline:
     ) -> dict[str, Any]:
         """cos(noisy, clean) vs cos(denoised, clean), per parameter and over all parameters (benchmarks only)."""
         per = {
-            i.name: (_cosine([n], [c]), _cosine([d], [c]))
+            i.name: (cosine([n], [c]), cosine([d], [c]))
             for i, n, d, c in zip(infos, noisy, denoised, clean, strict=False)
         }
         return {
             "per_param": per,
-            "global": (_cosine(noisy, clean), _cosine(denoised, clean)),
+            "global": (cosine(noisy, clean), cosine(denoised, clean)),
         }

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .oracle import cosine
 from .spectral import bulk_edge
 
 __all__ = ["cosine_report", "plot_spectrum", "spectral_entropy"]
@@ -45,13 +46,6 @@ def _as_dict(x: Tensors) -> dict[str, Tensor]:
     return {str(i): t for i, t in enumerate(x)}
 
 
-def _cos(a: Tensor, b: Tensor) -> float:
-    na, nb = a.norm().item(), b.norm().item()
-    if na == 0 or nb == 0:
-        return float("nan")
-    return float(torch.dot(a, b).item() / (na * nb))
-
-
 def cosine_report(noisy: Tensors, denoised: Tensors, clean: Tensors) -> dict[str, Any]:
     """Oracle report: cosine(noisy, clean) vs cosine(denoised, clean), per tensor and global.
 
@@ -69,16 +63,12 @@ def cosine_report(noisy: Tensors, denoised: Tensors, clean: Tensors) -> dict[str
         a, b, c = (t.detach().reshape(-1).double().cpu() for t in (nz[name], dn[name], cl[name]))
         if not (a.shape == b.shape == c.shape):
             raise ValueError(f"{name}: shapes differ: {nz[name].shape}, {dn[name].shape}, {cl[name].shape}")
-        cn, cd = _cos(a, c), _cos(b, c)
+        cn, cd = cosine([a], [c]), cosine([b], [c])
         per[name] = {"noisy": cn, "denoised": cd, "gain": cd - cn}
         flat["noisy"].append(a)
         flat["denoised"].append(b)
         flat["clean"].append(c)
-    if per:
-        ga, gb, gc = (torch.cat(flat[k]) for k in ("noisy", "denoised", "clean"))
-        gn, gd = _cos(ga, gc), _cos(gb, gc)
-    else:
-        gn = gd = float("nan")
+    gn, gd = (cosine(flat[k], flat["clean"]) if per else float("nan") for k in ("noisy", "denoised"))
     return {"per_tensor": per, "global": {"noisy": gn, "denoised": gd, "gain": gd - gn}}
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from opacus_spectral.audit import GradientCanaries, InputCanaries, audit_scores, gaussian_dp_epsilon
-from opacus_spectral.calibration import clean_scale
+from opacus_spectral.oracle import clean_gradients
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, available_denoisers
@@ -152,8 +152,8 @@ class CleanLeak(Denoiser):
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> list[torch.Tensor]:
         params = [p for p in self.optimizer.params if p.grad is not None]  # the records' order
-        scale = clean_scale(self.optimizer) * self.weight
-        return [g.tensor + p.summed_grad.view_as(g.tensor) * scale for g, p in zip(grads, params, strict=True)]
+        clean = clean_gradients(self.optimizer, params)
+        return [g.tensor + self.weight * c for g, c in zip(grads, clean, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------ training

@@ -150,7 +150,7 @@ class Recorder:
 
 def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: Config, acc0: float) -> dict[str, Any]:
     """Train one arm (``hooks`` = its post_hooks) for ``cfg.steps`` logical DP steps; curves + diagnostics."""
-    from opacus_spectral.calibration import clean_scale
+    from opacus_spectral.oracle import clean_gradients
 
     trainable = Trainable("lora", "qkvoid", cfg.rank, cfg.alpha)
     top = build_top(task, trainable, cfg.seed, pooling=cfg.pooling, reinit_head=False)
@@ -161,12 +161,8 @@ def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: 
 
     def snapshot_clean(step: int, entry: dict[str, Any], dp_opt: Any) -> None:
         if step in record_steps:
-            scale = clean_scale(dp_opt)
-            clean[step] = {
-                names[id(p)]: (p.summed_grad.view_as(p) * scale).detach().clone()
-                for p in dp_opt.params
-                if getattr(p, "summed_grad", None) is not None and p.dim() == 2
-            }
+            params = [p for p in dp_opt.params if getattr(p, "summed_grad", None) is not None and p.dim() == 2]
+            clean[step] = {names[id(p)]: c for p, c in zip(params, clean_gradients(dp_opt, params), strict=True)}
 
     eval_at = sorted({*range(cfg.eval_every, cfg.steps + 1, cfg.eval_every), cfg.steps, 0})
     r = run_dp(

@@ -243,18 +243,13 @@ class ReleasedOracle:
         self.norm_ratio: list[tuple[int, float]] = []
         self.per_matrix: list[tuple[int, int, float, float]] = []  #: (step, matrix index, cos, norm ratio)
 
-    @staticmethod
-    def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
-
     def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
-        from opacus_spectral.calibration import clean_scale
+        from opacus_spectral.oracle import clean_gradients, cosine, norm_ratio
 
         params = [p for p in dp_opt.params if p.grad is not None and getattr(p, "summed_grad", None) is not None]
         if not params:
             return
-        scale = clean_scale(dp_opt)
-        clean = [p.summed_grad.detach().reshape(-1) * scale for p in params]
+        clean = clean_gradients(dp_opt, params)
         if self.ema is None or len(self.ema) != len(clean):
             self.ema = [c.clone() for c in clean]
         else:
@@ -262,14 +257,12 @@ class ReleasedOracle:
                 e.mul_(0.9).add_(c, alpha=0.1)
         if step % self.every:
             return
-        released = [p.grad.detach().reshape(-1).double() for p in params]
-        rel, c, e = torch.cat(released), torch.cat(clean).double(), torch.cat(self.ema).double()
-        self.cos.append((step, self._cos(rel, c), self._cos(rel, e)))
-        self.norm_ratio.append((step, float(rel.norm() / c.norm().clamp_min(1e-300))))
+        released = [p.grad.detach() for p in params]
+        self.cos.append((step, cosine(released, clean), cosine(released, self.ema)))
+        self.norm_ratio.append((step, norm_ratio(released, clean)))
         for i, (p, r_i, c_i) in enumerate(zip(params, released, clean, strict=True)):
             if p.dim() == 2:
-                c_i = c_i.double()
-                self.per_matrix.append((step, i, self._cos(r_i, c_i), float(r_i.norm() / c_i.norm().clamp_min(1e-300))))
+                self.per_matrix.append((step, i, cosine([r_i], [c_i]), norm_ratio([r_i], [c_i])))
 
 
 def method_setup(cfg: Config, method: str, eps: float, q: float, steps: int) -> tuple[list[Any], float, float, float]:

@@ -80,11 +80,6 @@ def matrix_key(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), f"{m.group(2)}.{m.group(3)}") if m else None
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    den = float(a.norm() * b.norm())
-    return float((a * b).sum()) / den if den > 0 else float("nan")
-
-
 class SpectrumProbe:
     """``run_dp``'s ``on_step``: per logical step, per LoRA matrix, the gate of each setting, the spike-to-edge
     and BBP ratios and the cosines of the released gradient (no denoiser / each setting) to the clean one."""
@@ -97,36 +92,34 @@ class SpectrumProbe:
         self.steps: list[dict[str, Any]] = []
 
     def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
-        from opacus_spectral.calibration import clean_scale, noise_std
+        from opacus_spectral.calibration import noise_std
+        from opacus_spectral.oracle import clean_gradients, cosine
         from opacus_spectral.rmt import rmt_denoise
         from opacus_spectral.spectral import bbp_threshold, bulk_edge
 
-        s, scale = noise_std(dp_opt), clean_scale(dp_opt)
+        s = noise_std(dp_opt)
+        params = [p for p in dp_opt.params if id(p) in self.names and p.grad is not None and p.dim() == 2]
         mats, flat = [], defaultdict(list)
-        for p in dp_opt.params:
-            name = self.names.get(id(p))
-            if name is None or p.grad is None or p.dim() != 2:
-                continue
-            noisy, clean = p.grad.detach().double(), p.summed_grad.detach().double() * scale
+        for p, clean in zip(params, clean_gradients(dp_opt, params, dtype=torch.float64), strict=True):
+            noisy = p.grad.detach().double()
             m, n = noisy.shape
-            rec = {"name": name, "shape": [m, n], "cos": {"none": _cos(noisy, clean)}, "gated": {}}
+            rec = {"name": self.names[id(p)], "shape": [m, n], "cos": {"none": cosine([noisy], [clean])}, "gated": {}}
             rec["edge_ratio"] = float(torch.linalg.matrix_norm(noisy, ord=2)) / bulk_edge(s, m, n)
             rec["bbp_ratio"] = float(torch.linalg.matrix_norm(clean, ord=2)) / bbp_threshold(s, m, n)
             flat["none"].append(noisy.reshape(-1))
             for arm, settings in self.settings.items():
                 res = rmt_denoise(noisy, s, settings)
                 rec["gated"][arm] = bool(res.gated.item())
-                rec["cos"][arm] = _cos(res.tensor, clean)
+                rec["cos"][arm] = cosine([res.tensor], [clean])
                 flat[arm].append(res.tensor.reshape(-1))
             flat["clean"].append(clean.reshape(-1))
             mats.append(rec)
-        clean_all = torch.cat(flat["clean"])
         self.steps.append(
             {
                 "step": step,
                 "noise_std": s,
                 "matrices": mats,
-                "cos_global": {arm: _cos(torch.cat(flat[arm]), clean_all) for arm in ARMS},
+                "cos_global": {arm: cosine(flat[arm], flat["clean"]) for arm in ARMS},
             }
         )
 
