@@ -160,23 +160,33 @@ def test_centralized_smoke(tmp_path: Path) -> None:
     ]
     res = centralized.main(argv)
     runs = res["runs"]
-    assert set(runs) == {"dp-lora|3|0", "rmt|3|0", "dp-lora|6|0"}
+    base, rmt = "eval|dp-lora|eps3|s0|lr0.005", "eval|rmt|eps3|s0|lr0.005"
+    assert set(runs) == {base, rmt, "eval|dp-lora|eps6|s0|lr0.005"}  # the runner's one key format
     for r in runs.values():
         assert r["epsilon"] == pytest.approx(r["target_epsilon"], rel=0.02)
         assert [s for s, _ in r["curve"]] == [0, 1, 2]
     # no denoiser: the "denoised" gradient is the noisy one
-    assert all(e["cos_global"][0] == e["cos_global"][1] for e in runs["dp-lora|3|0"]["per_step"])
-    assert all("gated" in e for e in runs["rmt|3|0"]["per_step"])
+    assert all(e["cos_global"][0] == e["cos_global"][1] for e in runs[base]["per_step"])
+    assert all("gated" in e for e in runs[rmt]["per_step"])
     # same seed: same initial accuracy and same noise level in both arms
-    assert runs["rmt|3|0"]["curve"][0] == runs["dp-lora|3|0"]["curve"][0]
-    assert runs["rmt|3|0"]["noise_multiplier"] == runs["dp-lora|3|0"]["noise_multiplier"]
+    assert runs[rmt]["curve"][0] == runs[base]["curve"][0]
+    assert runs[rmt]["noise_multiplier"] == runs[base]["noise_multiplier"]
     an = res["analysis"]
     assert set(an["_baseline_eps_curve"]) == {"3", "6"}
     assert "rmt|3" in an and an["rmt|3"]["n_with_baseline"] == 1
     assert "| 3 | rmt |" in centralized.tables(res)
     # --resume keeps finished runs (nothing left to run)
     again = centralized.main(argv + ["--resume"])
-    assert again["runs"]["rmt|3|0"]["per_step"] == json.loads(json.dumps(runs["rmt|3|0"]["per_step"]))
+    assert again["runs"][rmt]["per_step"] == json.loads(json.dumps(runs[rmt]["per_step"]))
+    # a JSON from before the one key format ("method|ε|seed", no lr in the records) resumes without retraining
+    path = tmp_path / "centralized.json"
+    old = json.loads(path.read_text())
+    old["runs"] = {f"{r['method']}|{r['target_epsilon']:g}|{r['seed']}": r for r in old["runs"].values()}
+    for r in old["runs"].values():
+        del r["lr"]
+    path.write_text(json.dumps(old))
+    rekeyed = centralized.main(argv + ["--resume"])["runs"]
+    assert set(rekeyed) == set(runs) and rekeyed[rmt]["train_seconds"] == runs[rmt]["train_seconds"]
     assert centralized.main(["--replot", "--out", str(tmp_path)]) == tmp_path / "centralized.png"
 
 

@@ -222,9 +222,10 @@ def test_spectral_methods_are_paired_with_the_best_non_spectral_peer() -> None:
 
 
 def test_a_worker_waiting_on_anothers_tuning_run_tunes_the_next_cell_and_evaluates_only_final_choices() -> None:
-    """:func:`grid.next_run` on stored runs: the open round of a cell is what :func:`grid.tune_round` says;
-    a run another worker holds is skipped, not waited on, while other cells have work; an evaluation run is
-    handed out only once its cell's choice is final (an edge best first extends the grid outward)."""
+    """:func:`dp_bench.runner.next_run` with the grid's schedule on stored runs: the open round of a cell is what
+    :func:`grid.tune_round` says; a run another worker holds is skipped, not waited on, while other cells have work;
+    an evaluation run is handed out only once its cell's choice is final (an edge best first extends the grid)."""
+    from dp_bench import runner
     from dp_bench.commands import grid
 
     cfg = grid.Config(
@@ -242,22 +243,26 @@ def test_a_worker_waiting_on_anothers_tuning_run_tunes_the_next_cell_and_evaluat
     def store(method: str, lr: float, val: float) -> None:
         result["runs"][grid.run_key("tune", method, "sgd", 256, 3.0, 100, lr)] = {"final_val": val}
 
+    def next_run(claim):
+        return runner.next_run(result["runs"], plan, grid.GridSchedule(cfg), result, claim)
+
     held = {grid.run_key("tune", "none", "sgd", 256, 3.0, 100, 2.0)}  # another worker trains it
     store("none", 0.5, 0.6), store("none", 1.0, 0.7)
-    run, waiting, done = grid.next_run(result, cfg, plan, lambda k: k not in held)
-    assert run[:3] == ("tune|rmt|sgd|B256|eps3|s100|lr0.5", "tune", "rmt") and waiting and done == 0
+    (cell, lr, key), waiting, done = next_run(lambda k: k not in held)
+    assert (key, cell.phase, cell.method, lr) == ("tune|rmt|sgd|B256|eps3|s100|lr0.5", "tune", "rmt", 0.5)
+    assert waiting and done == 0
     store("none", 2.0, 0.8)  # the held run lands: the best is at the upper edge, so 4.0 is the next round
-    assert grid.tune_round(result, cfg, "none", "sgd", 256, 3.0, 100) == [4.0]
-    run, _, _ = grid.next_run(result, cfg, plan, lambda k: True)
-    assert run[0] == "tune|none|sgd|B256|eps3|s100|lr4"
+    assert grid.tune_round(result, cfg, grid.cell_of("tune", "none", "sgd", 256, 3.0, 100)) == [4.0]
+    run, _, _ = next_run(lambda k: True)
+    assert run[2] == "tune|none|sgd|B256|eps3|s100|lr4"
     store("none", 4.0, 0.75)  # 2.0 stays best, inside what was tried: final
     for lr in (0.5, 1.0, 2.0):
         store("rmt", lr, {0.5: 0.5, 1.0: 0.9, 2.0: 0.4}[lr])
     held = {grid.run_key("eval", "none", "sgd", 256, 3.0, 0, 2.0)}
-    run, waiting, done = grid.next_run(result, cfg, plan, lambda k: k not in held)
-    assert run[:3] == ("eval|rmt|sgd|B256|eps3|s0|lr1", "eval", "rmt") and done == 2
+    (cell, lr, key), waiting, done = next_run(lambda k: k not in held)
+    assert (key, cell.phase, cell.method, lr) == ("eval|rmt|sgd|B256|eps3|s0|lr1", "eval", "rmt", 1.0) and done == 2
     assert result["lr_choice"]["none|sgd|B256"]["lr"] == 2.0 and result["lr_choice"]["rmt|sgd|B256"]["lr"] == 1.0
     result["runs"]["eval|rmt|sgd|B256|eps3|s0|lr1"] = {}
-    assert grid.next_run(result, cfg, plan, lambda k: k not in held) == (None, True, 3)  # only the held run left
+    assert next_run(lambda k: k not in held) == (None, True, 3)  # only the held run left
     result["runs"]["eval|none|sgd|B256|eps3|s0|lr2"] = {}
-    assert grid.next_run(result, cfg, plan, lambda k: True) == (None, False, 4)  # all done: the worker stops
+    assert next_run(lambda k: True) == (None, False, 4)  # all done: the worker stops

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("datasets")
+from dp_bench import runner  # noqa: E402
 from dp_bench.commands import grid, lm_report  # noqa: E402
 from dp_bench.lm_task import lm_score, perplexity, tiny_lm_task  # noqa: E402
 from dp_bench.train import run_dp  # noqa: E402
@@ -181,16 +182,16 @@ def test_references_may_take_the_baselines_lr_and_run_on_fewer_seeds() -> None:
         reference_seeds=1,
     )
     plan = grid.planned(cfg)
-    assert {m for phase, m, *_ in plan if phase == "tune"} == {"none", "rmt"}
-    refs = [(m, seed) for phase, m, _, _, _, seed in plan if phase == "eval" and m in grid.REFERENCES]
+    assert {c.method for c in plan if c.phase == "tune"} == {"none", "rmt"}
+    refs = [(c.method, c.seed) for c in plan if c.phase == "eval" and c.method in grid.REFERENCES]
     assert sorted(refs) == [("clip-only", 0), ("nonprivate", 0)]
     result: dict = {"runs": {}, "lr_choice": {}}
     for lr in cfg.lr_grid_adamw:  # none's tuning round stored: its choice is final, the references may start
         key = grid.run_key("tune", "none", "adamw", 64, 5.4, cfg.tune_seed, lr)
         result["runs"][key] = {"final_val": -3.0 if lr == 1e-3 else -4.0}
-    ref_only = [p for p in plan if p[1] in grid.REFERENCES or (p[0] == "tune" and p[1] == "none")]
-    run, _, _ = grid.next_run(result, cfg, ref_only, lambda key: True)
-    assert run is not None and run[2] in grid.REFERENCES and run[-1] == 1e-3
+    ref_only = [c for c in plan if c.method in grid.REFERENCES or (c.phase == "tune" and c.method == "none")]
+    run, _, _ = runner.next_run(result["runs"], ref_only, grid.GridSchedule(cfg), result, lambda key: True)
+    assert run is not None and run[0].method in grid.REFERENCES and run[1] == 1e-3
 
 
 def require_llm_packages() -> None:

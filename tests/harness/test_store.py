@@ -114,7 +114,7 @@ def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_p
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
     trained = [k for o in outs for k in RUN_LINE.findall(o)]
     saved = json.loads(out.read_text())
-    keys = [f"{r['phase']}|{r['method']}|eps={r['epsilon']:g}|seed={r['seed']}|lr={r['lr']:g}" for r in saved["runs"]]
+    keys = [f"{r['phase']}|{r['method']}|eps{r['epsilon']:g}|s{r['seed']}|lr{r['lr']:g}" for r in saved["runs"]]
     assert sorted(trained) == sorted(keys) and len(set(keys)) == len(keys)  # each run trained once, stored once
     assert {r["seed"] for r in saved["runs"] if r["phase"] == "eval"} == {0, 1}
     assert set(saved["lr_choice"]) == {"la-lora"} and "analysis" in saved

@@ -97,10 +97,14 @@ class SharedResult:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def runs(self) -> dict[str, dict[str, Any]]:
+        """The runs this worker knows to be stored, by key."""
+        runs = self.result["runs"]
+        return runs if self.run_id is None else {self.run_id(r): r for r in runs}
+
     def keys(self) -> set[str]:
         """The keys of the runs this worker knows to be stored."""
-        runs = self.result["runs"]
-        return set(runs) if self.run_id is None else {self.run_id(r) for r in runs}
+        return set(self.runs())
 
     def _merge(self) -> None:
         """Take in what other workers stored (runs and lr choices this worker does not have yet)."""
@@ -163,6 +167,14 @@ class SharedResult:
             claims = self._read_claims()
             claims.pop(key, None)
             self._write_claims(claims)
+
+    def release(self, key: str) -> None:
+        """Give up this worker's claim on ``key`` without storing a run (a worker that stops early)."""
+        with self._locked():
+            claims = self._read_claims()
+            if claims.get(key) == self._me:
+                del claims[key]
+                self._write_claims(claims)
 
     def save(self) -> None:
         """Rewrite the JSON with this worker's view merged with what is stored."""

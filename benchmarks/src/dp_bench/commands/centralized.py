@@ -29,6 +29,7 @@ Protocol:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import runner
 from ..adapters import Trainable, build_top
 from ..analysis import crossing_step, eps_at_accuracy, fmt, gated_gain_stats, global_cos_stats, mean_std
 from ..config import as_json, command_line, opt, parse_config
 from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..store import SharedResult, atomic_write_json
 from ..task import frozen_text_task
 from ..train import evaluate, run_dp
 
@@ -53,6 +56,7 @@ __all__ = [
     "main",
     "method_hooks",
     "planned_runs",
+    "plot",
     "replot",
     "run",
     "tables",
@@ -151,8 +155,24 @@ def seed_major(args: Config) -> list[tuple[str, float, int]]:
     return runs
 
 
-def run_key(method: str, eps: float, seed: int) -> str:
-    return f"{method}|{eps:g}|{seed}"
+def run_key(method: str, eps: float, seed: int, lr: float) -> str:
+    """The runner's one key format (``eval|method|eps<ε>|s<seed>|lr<lr>``): every run is an evaluation run."""
+    return runner.run_key("eval", method, eps=eps, seed=seed, lr=lr)
+
+
+def record_key(record: dict[str, Any], lr: float) -> str:
+    """A stored run's key; ``lr``: the configured rate, for records from before runs stored theirs."""
+    return run_key(record["method"], record["target_epsilon"], record["seed"], record.get("lr", lr))
+
+
+@dataclass
+class CentralizedSchedule:
+    """No tuning here: every cell runs the configured ``--lr``."""
+
+    lr: float
+
+    def lrs(self, cell: runner.Cell, result: dict[str, Any]) -> list[float]:
+        return [self.lr]
 
 
 def new_result(args: Config, argv: Sequence[str] | None, task: Any, path: Path) -> dict[str, Any]:
@@ -161,7 +181,11 @@ def new_result(args: Config, argv: Sequence[str] | None, task: Any, path: Path) 
     result: dict[str, Any]
     if args.resume and path.is_file():
         result = json.loads(path.read_text())
+        result["runs"] = {record_key(r, args.lr): r for r in result["runs"].values()}
+        atomic_write_json(path, result)  # stored under the one key format before any worker merges the file
     else:
+        if path.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
+            path.replace(path.with_name(path.name + ".old"))
         result = {"runs": {}}
     result.update(
         {
@@ -210,14 +234,15 @@ def train_run(
         eval_at=eval_at,
         desc=f"{method} eps={eps:g} s{seed}",
     )
-    key = run_key(method, eps, seed)
-    tqdm.write(f"{key:<24} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  {r['train_seconds']:.0f}s")
+    key = run_key(method, eps, seed, args.lr)
+    tqdm.write(f"{key:<32} acc {r['curve'][-1][1]:.4f}  eps {r['epsilon']:.2f}  nm {nm:.3f}  {r['train_seconds']:.0f}s")
     return {
         "method": method,
         "hooks": method_hooks(method),
         "target_epsilon": eps,
         "epsilon": r["epsilon"],
         "seed": seed,
+        "lr": args.lr,
         "noise_multiplier": nm,
         "curve": [(0, acc0[seed])] + r["curve"],
         "train_seconds": r["train_seconds"],
@@ -228,8 +253,6 @@ def train_run(
 def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train the planned runs (:func:`planned_runs`) not yet in ``<out>/centralized.json``, saving it after each;
     then the analysis, the JSON and the plot."""
-    from tqdm.auto import tqdm
-
     quiet_warnings()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,27 +265,26 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     tr = Trainable.parse(args.trainable)
     eval_at = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     acc0: dict[int, float] = {}
-    plan = planned_runs(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(plan, desc="centralized grid", unit="run")
-    for method, eps, seed in bar:
-        key = run_key(method, eps, seed)
-        if key in result["runs"]:
-            continue
+    store = SharedResult(path, result, wall=None)
+
+    def over_budget() -> bool:
         if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-            tqdm.write(f"time budget {args.time_budget}s reached: not starting {key} and later runs")
+            print(f"time budget {args.time_budget}s reached: no further run starts", flush=True)
             result["stopped_by_time_budget"] = True
-            break
-        result["runs"][key] = train_run(args, task, tr, method, eps, seed, eval_at, acc0)
+            return True
+        return False
+
+    def train(cell: runner.Cell, lr: float) -> dict[str, Any]:
+        rec = train_run(args, task, tr, cell.method, cell.eps, cell.seed, eval_at, acc0)
         result["wall_seconds"] = time.perf_counter() - t_start
-        path.write_text(json.dumps(result, default=float))
-    bar.close()
+        return rec
+
+    plan = [runner.Cell("eval", m, eps, seed) for m, eps, seed in planned_runs(args)]
+    runner.drive(store, plan, CentralizedSchedule(args.lr), train, desc="centralized grid", stop=over_budget)
     result["machine"]["loadavg_end"] = machine()["loadavg"]
     result["wall_seconds"] = time.perf_counter() - t_start
-    result["analysis"] = analyze(result)
-    path.write_text(json.dumps(result, default=float))
-    replot(path, args.out)
-    return result
+    return runner.finish(result, sys.modules[__name__], args.out / "centralized.png", store.save)
 
 
 # ----------------------------------------------------------------------------------------------- analysis
@@ -460,15 +482,18 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def replot(path: Path, out: Path) -> Path:
-    """Regenerate ``centralized.png`` from the JSON (tables: :func:`tables`)."""
+    """Regenerate the analysis in the JSON and ``centralized.png`` from the stored runs (tables printed)."""
+    runner.replot(path, sys.modules[__name__], out / "centralized.png")
+    return out / "centralized.png"
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Accuracy curves per ε, and the baseline's accuracy vs ε with each method's point beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(Path(path).read_text())
-    result["analysis"] = analyze(result)
-    Path(path).write_text(json.dumps(result, default=float))  # keep the stored analysis in step with the code
     cfg = result["config"]
     eps_list = cfg["epsilons"]
     fig, axes = plt.subplots(1, len(eps_list) + 1, figsize=(5 * (len(eps_list) + 1), 4))
@@ -526,19 +551,14 @@ def replot(path: Path, out: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    png = out / "centralized.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    return png
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
     args = parse_config(Config, argv, prog="dp-bench centralized", description=__doc__.split("\n")[0])
     if args.replot:
-        png = replot(args.out / "centralized.json", args.out)
-        print(tables(json.loads((args.out / "centralized.json").read_text())))
-        return png
+        return replot(args.out / "centralized.json", args.out)
     result = run(args, argv)
-    print("\n" + tables(result))
     print(f"wall {result['wall_seconds']:.0f}s; wrote {args.out / 'centralized.json'}, {args.out / 'centralized.png'}")
     return result

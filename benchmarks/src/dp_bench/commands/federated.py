@@ -36,6 +36,7 @@ every run — ``--resume`` keeps the runs already there — and the plot (``--pl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import warnings
@@ -48,11 +49,12 @@ import torch
 from peft_lalora.federated.config import FederationConfig
 from peft_lalora.federated.task import Task, build_task
 
+from .. import runner
 from ..config import as_json, command_line, opt, parse_config, same_config
-from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
 from ..probe import probe_federation
-from ..store import POLL_SECONDS, SharedResult
+from ..runner import Cell
+from ..store import SharedResult
 from . import federated_report as report
 
 #: --model -> the task factory (dp_bench.task)
@@ -169,8 +171,11 @@ def base_config(args: Config, seed: int, epsilon: float, method: str, lr: float,
     )
 
 
-def run_key(phase: str, method: str, epsilon: float, seed: int, lr: float) -> str:
-    return f"{phase}|{method}|eps={epsilon:g}|seed={seed}|lr={lr:g}"
+def record_key(record: dict[str, Any]) -> str:
+    """A stored run's key (the runner's one format, ``phase|method|eps<ε>|s<seed>|lr<lr>``), from its record."""
+    return runner.run_key(
+        record["phase"], record["method"], eps=record["epsilon"], seed=record["seed"], lr=record["lr"]
+    )
 
 
 def one_run(args: Config, task: Task, phase: str, method: str, epsilon: float, seed: int, lr: float) -> dict[str, Any]:
@@ -261,7 +266,7 @@ class Grid:
             self.result,
             dumps={"indent": 1, "allow_nan": True},
             wall=None,
-            run_id=lambda r: run_key(r["phase"], r["method"], r["epsilon"], r["seed"], r["lr"]),
+            run_id=record_key,
         )
         self.task: Task | None = None
         self.task_for: tuple[int, str] | None = None
@@ -282,63 +287,60 @@ class Grid:
         assert self.task is not None
         return self.task
 
-    def run(self, phase: str, method: str, epsilon: float, seed: int, lr: float) -> None:
-        """Train the run unless it is stored or another live worker holds it."""
-        key = run_key(phase, method, epsilon, seed, lr)
-        if not self.store.claim(key):
-            return
-        rec = one_run(
-            self.args, self.task_of(seed, "val" if phase == "tune" else "test"), phase, method, epsilon, seed, lr
-        )
+    def train(self, cell: Cell, lr: float) -> dict[str, Any]:
+        """Train one run of ``cell`` (the runner stores it)."""
+        task = self.task_of(cell.seed, "val" if cell.phase == "tune" else "test")
+        rec = one_run(self.args, task, cell.phase, cell.method, cell.eps, cell.seed, lr)
         self.result.update(versions=versions(), machine=machine())
-        self.store.put(key, rec)
         acc = rec["accuracy"]
         print(
-            f"  {key:<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
+            f"  {cell.key(lr):<48} acc {acc[0]:.3f} -> {acc[-1]:.3f} (last-3 {report.last_k_mean(acc, 3):.3f}), max ε "
             f"{rec['max_epsilon']:.3f}, {rec['wall_s']:.0f} s ({rec['cpu_s']:.0f} s CPU)",
             flush=True,
         )
-
-    def stored(self, keys: Sequence[str]) -> bool:
-        """Whether every run of ``keys`` is stored (after merging what the other workers stored)."""
-        self.store.sync()
-        return set(keys) <= self.store.keys()
+        return rec
 
     def save(self) -> None:
         self.result.update(versions=versions(), machine=machine())
         self.store.save()
 
 
-def tune(grid: Grid, method: str) -> None:
-    """Step 1 of the protocol for ``method``: lr grid (+ edge extensions) on the validation split."""
-    a, choice = grid.args, grid.result["lr_choice"]
-    if method == "la-lora-nofilter" and a.share_filter_lr and "la-lora" in a.methods:
-        if "la-lora" not in choice:
-            tune(grid, "la-lora")
-        choice[method] = {**choice["la-lora"], "val_last3": {}, "tuned": False, "shared_with": "la-lora"}
-        return
-    if len(a.lr_grid) == 1:
-        choice[method] = {"lr": a.lr_grid[0], "val_last3": {}, "tuned": False}
-        return
-    todo = list(a.lr_grid)
-    while todo:
-        for lr in todo:
-            grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
-        while not grid.stored([run_key("tune", method, a.tune_epsilon, a.tune_seed, lr) for lr in todo]):
-            time.sleep(POLL_SECONDS)  # another worker trains a run of this round: the choice needs them all
-            for lr in todo:  # ... unless it died: then its claim is void and the run is trained here
-                grid.run("tune", method, a.tune_epsilon, a.tune_seed, lr)
-        tried = {
-            r["lr"]: report.metric(r, "last3")
-            for r in grid.result["runs"]
-            if r["phase"] == "tune"
-            and r["method"] == method
-            and r["epsilon"] == a.tune_epsilon
-            and r["seed"] == a.tune_seed
-        }
-        best, todo = lr_edge_step(tried, a.lr_grid, a.max_extensions)
-    choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
-    grid.save()
+def planned(args: Config) -> list[Cell]:
+    """Step 1 of the protocol, a tuning cell per method; then step 2, every (seed, ε, method), seed-major."""
+    tune = [Cell("tune", m, args.tune_epsilon, args.tune_seed) for m in args.methods]
+    return tune + [Cell("eval", m, eps, seed) for seed in args.seeds for eps in args.epsilons for m in args.methods]
+
+
+@dataclass
+class FederatedSchedule:
+    """The federated part of the runner's schedule (step 1 of the protocol): a method's lr grid (+ edge
+    extensions) on the validation split, the best mean validation accuracy over the last three rounds; a grid of
+    one value fixes the lr; LA-LoRA without its filter takes LA-LoRA's (``--share-filter-lr``); a choice already
+    stored (``--resume``, ``--lr-from``) stands. An evaluation cell runs its method's choice once made."""
+
+    args: Config
+
+    def lrs(self, cell: Cell, result: dict[str, Any]) -> list[float] | None:
+        choice = result["lr_choice"]
+        if cell.phase == "eval":
+            return [choice[cell.method]["lr"]] if cell.method in choice else None
+        a, method = self.args, cell.method
+        if method in choice:
+            return []
+        if method == "la-lora-nofilter" and a.share_filter_lr and "la-lora" in a.methods:
+            if "la-lora" not in choice:
+                return None
+            choice[method] = {**choice["la-lora"], "val_last3": {}, "tuned": False, "shared_with": "la-lora"}
+            return []
+        if len(a.lr_grid) == 1:
+            choice[method] = {"lr": a.lr_grid[0], "val_last3": {}, "tuned": False}
+            return []
+        runs = {record_key(r): r for r in result["runs"]}
+        last3 = functools.partial(report.metric, name="last3")
+        todo, best, tried = runner.tune_round(runs, cell, a.lr_grid, a.max_extensions, last3)
+        if best is not None:
+            choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
+        return todo
 
 
 def borrow_lrs(grid: Grid) -> None:
@@ -369,28 +371,13 @@ def run(args: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.lr_from != Path(""):
         borrow_lrs(grid)
-    for method in args.methods:
-        if method not in grid.result["lr_choice"]:
-            tune(grid, method)
-    for seed in args.seeds:
-        for eps in args.epsilons:
-            for method in args.methods:
-                grid.run("eval", method, eps, seed, grid.result["lr_choice"][method]["lr"])
-    grid.store.wait_until_idle()  # the other workers' last runs belong in the analysis
+    runner.drive(grid.store, planned(args), FederatedSchedule(args), grid.train, desc="federated grid")
     grid.result["wall_s_this_invocation"] = time.perf_counter() - t0
-    grid.result["analysis"] = report.analyze(grid.result)
-    grid.save()
-    report.plot(grid.result, args.plot)
-    return grid.result
+    return runner.finish(grid.result, report, args.plot, grid.save)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_config(Config, argv, prog="dp-bench federated", description=__doc__.split("\n")[0])
     if args.replot:
-        result = json.loads(args.out.read_text())
-        result["analysis"] = report.analyze(result)
-        report.plot(result, args.plot)
-    else:
-        result = run(args, argv)
-    print(report.tables(result))
-    return result
+        return runner.replot(args.out, report, args.plot, dumps={"indent": 1, "allow_nan": True})
+    return run(args, argv)

@@ -45,7 +45,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +53,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import runner
 from ..adapters import Trainable, build_top
 from ..config import as_json, command_line, opt, parse_config, same_config
 from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task
-from ..lr_rule import lr_edge_step
 from ..meta import RESULTS, machine, quiet_warnings, versions
-from ..store import POLL_SECONDS, SharedResult
+from ..runner import Cell
+from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..train import run_dp
 from ..vision import build
@@ -209,8 +210,14 @@ def budget(cfg: Config, n_train: int, batch: int) -> int:
     return cfg.steps if cfg.steps > 0 else max(1, round(cfg.epochs * n_train / batch))
 
 
+def cell_of(phase: str, method: str, optimizer: str, batch: int, eps: float, seed: int) -> Cell:
+    """A grid cell: the runner's :class:`~dp_bench.runner.Cell` whose further key parts are the optimizer and B."""
+    return Cell(phase, method, eps, seed, (optimizer, f"B{batch}"))
+
+
 def run_key(phase: str, method: str, optimizer: str, batch: int, eps: float, seed: int, lr: float) -> str:
-    return f"{phase}|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr{lr:g}"
+    """``phase|method|optimizer|B<batch>|eps<ε>|s<seed>|lr<lr>``: the runner's one key format."""
+    return cell_of(phase, method, optimizer, batch, eps, seed).key(lr)
 
 
 @functools.cache
@@ -374,68 +381,34 @@ def one_run(
     }
 
 
-def tune_round(
-    result: dict[str, Any],
-    cfg: Config,
-    method: str,
-    optimizer: str,
-    batch: int,
-    eps: float,
-    seed: int,
-) -> list[float]:
-    """The learning rates of a cell's open tuning round that are not stored yet; ``[]`` once the choice is final.
-
-    A pure function of the stored runs, so every worker sees the same rounds: first ``--lr-grid``; once all of it
-    is stored, the best final validation accuracy among everything tried is recorded in ``result["lr_choice"]``
-    and, when it lies at an end of what was tried, the next value outward (a factor 2; at most
-    ``--lr-extensions`` times) is the next round (:func:`dp_bench.lr_rule.lr_edge_step`)."""
-    prefix = f"tune|{method}|{optimizer}|B{batch}|eps{eps:g}|s{seed}|lr"
-    tried = {float(k[len(prefix) :]): r["final_val"] for k, r in result["runs"].items() if k.startswith(prefix)}
-    base = list(cfg.lr_grid(optimizer, method))
-    missing = [lr for lr in base if lr not in tried]
-    if missing:
-        return missing
-    best, nxt = lr_edge_step(tried, base, cfg.lr_extensions)
-    result["lr_choice"][f"{method}|{optimizer}|B{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
-    return [lr for lr in nxt if lr not in tried]
+def tune_round(result: dict[str, Any], cfg: Config, cell: Cell) -> list[float]:
+    """The learning rates of a tuning cell's open round that are not stored yet; ``[]`` once the choice is final,
+    which is then recorded in ``result["lr_choice"]`` (:func:`dp_bench.runner.tune_round`: first ``--lr-grid``, then
+    the next value outward while the best lies at an end of what was tried, at most ``--lr-extensions`` times)."""
+    optimizer, batch = cell.cell
+    base = cfg.lr_grid(optimizer, cell.method)
+    todo, best, tried = runner.tune_round(result["runs"], cell, base, cfg.lr_extensions, lambda r: r["final_val"])
+    if best is not None:
+        result["lr_choice"][f"{cell.method}|{optimizer}|{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
+    return todo
 
 
-def next_run(
-    result: dict[str, Any],
-    cfg: Config,
-    plan: Sequence[tuple[str, str, str, int, float, int]],
-    claim: Callable[[str], bool],
-) -> tuple[tuple[Any, ...] | None, bool, int]:
-    """``(run, waiting, done)``: the first run of ``plan`` (in its order) that ``claim`` grants —
-    ``(key, phase, method, optimizer, batch, eps, seed, lr)`` or None —, whether some run is not stored yet but
-    cannot be claimed now (another worker trains it, or its cell's learning rate is not chosen yet), and how many
-    planned cells are complete. A worker that waits for another's tuning run moves on to the next cell's tuning
-    instead of idling; an evaluation run starts once its cell's choice is final (a reference's is the 'none'
-    arm's without ``--tune-references``)."""
-    tuned: set[str] = set()
-    waiting, done = False, 0
-    for phase, method, optimizer, batch, eps, seed in plan:
-        cell = f"{method}|{optimizer}|B{batch}"
-        chosen = cell if cfg.tune_references or method not in REFERENCES else f"none|{optimizer}|B{batch}"
-        if phase == "tune":
-            lrs = tune_round(result, cfg, method, optimizer, batch, eps, seed)
-            if not lrs:
-                tuned.add(cell)
-        elif chosen in tuned:
-            lrs = [result["lr_choice"][chosen]["lr"]]
-        else:  # its learning rate is still being chosen
-            waiting = True
-            continue
-        keys = {run_key(phase, method, optimizer, batch, eps, seed, lr): lr for lr in lrs}
-        missing = [k for k in keys if k not in result["runs"]]
-        if not missing:
-            done += 1
-            continue
-        mine = next((k for k in missing if claim(k)), None)
-        if mine is not None:
-            return (mine, phase, method, optimizer, batch, eps, seed, keys[mine]), True, done
-        waiting = True
-    return None, waiting, done
+@dataclass
+class GridSchedule:
+    """The grid's part of the runner's schedule: a tuning cell runs its open round; an evaluation cell its cell's
+    chosen rate once final (a reference's is the 'none' arm's without ``--tune-references``)."""
+
+    cfg: Config
+
+    def lrs(self, cell: Cell, result: dict[str, Any]) -> list[float] | None:
+        if cell.phase == "tune":
+            return tune_round(result, self.cfg, cell)
+        optimizer, batch = cell.cell
+        method = cell.method if self.cfg.tune_references or cell.method not in REFERENCES else "none"
+        tuning = Cell("tune", method, self.cfg.tune_epsilon, self.cfg.tune_seed, cell.cell)
+        if tune_round(result, self.cfg, tuning):
+            return None  # its learning rate is still being chosen
+        return [result["lr_choice"][f"{method}|{optimizer}|{batch}"]["lr"]]
 
 
 def measure_speed(cfg: Config) -> dict[str, Any]:
@@ -483,13 +456,16 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
-    """(phase, method, optimizer, B, ε, seed): the learning-rate runs first, then seed-major evaluation runs (the
-    references only on the first ``--reference-seeds`` seeds when it is set)."""
+def planned(cfg: Config) -> list[Cell]:
+    """The learning-rate cells first, then seed-major evaluation cells (the references only on the first
+    ``--reference-seeds`` seeds when it is set)."""
     methods = [*cfg.methods, *(REFERENCES if cfg.references else ())]
     tuned = [m for m in methods if cfg.tune_references or m not in REFERENCES]
     tune = [
-        ("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed) for b in cfg.batches for o in cfg.optimizers for m in tuned
+        cell_of("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed)
+        for b in cfg.batches
+        for o in cfg.optimizers
+        for m in tuned
     ]
     ref_seeds = set(cfg.seeds[: cfg.reference_seeds] if cfg.reference_seeds else cfg.seeds)
     evals = []
@@ -500,7 +476,7 @@ def planned(cfg: Config) -> list[tuple[str, str, str, int, float, int]]:
                     if m in REFERENCES and seed not in ref_seeds:
                         continue
                     for eps in [math.inf] if m in REFERENCES else cfg.epsilons:
-                        evals.append(("eval", m, o, b, eps, seed))
+                        evals.append(cell_of("eval", m, o, b, eps, seed))
     return tune + evals
 
 
@@ -520,9 +496,9 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
-    """Train every planned run not yet stored. Several workers may run the same ``--resume`` command at once
-    (one per core): :class:`~dp_bench.store.SharedResult` hands each run to one of them (:func:`next_run`: a tuning
-    round chooses once all its runs are stored; meanwhile a worker trains the next cell's tuning runs)."""
+    """Train every planned run not yet stored through the one runner (:func:`dp_bench.runner.drive`). Several
+    workers may run the same ``--resume`` command at once (one per core): a tuning round chooses once all its runs
+    are stored; meanwhile a worker trains the next cell's tuning runs (:class:`GridSchedule`)."""
     from tqdm.auto import tqdm
 
     quiet_warnings()
@@ -552,29 +528,19 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     )
     store = SharedResult(path, result)
     t_start = time.perf_counter()
-    plan = planned(cfg)
-    bar = tqdm(total=len(plan), desc=f"{cfg.name} grid", unit="cell")
-    while True:
-        store.sync()
-        run_, waiting, done = next_run(result, cfg, plan, store.claim)
-        bar.update(done - bar.n)
-        if run_ is None:
-            if not waiting:
-                break
-            time.sleep(POLL_SECONDS)  # every open run is another worker's, or waits for a choice that needs them
-            continue
-        key, phase, method, optimizer, batch, eps, seed, lr = run_
-        rec = one_run(cfg, task, method, optimizer, batch, eps, lr, seed, budget(cfg, n, batch), phase)
-        tqdm.write(f"{key:<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} ({rec['wall_seconds']:.0f}s)")
-        store.put(key, rec)
-    bar.close()
-    store.wait_until_idle()
+
+    def train(cell: Cell, lr: float) -> dict[str, Any]:
+        optimizer, batch = cell.cell
+        b = int(batch.removeprefix("B"))
+        rec = one_run(cfg, task, cell.method, optimizer, b, cell.eps, lr, cell.seed, budget(cfg, n, b), cell.phase)
+        tqdm.write(
+            f"{cell.key(lr):<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} ({rec['wall_seconds']:.0f}s)"
+        )
+        return rec
+
+    runner.drive(store, planned(cfg), GridSchedule(cfg), train, desc=f"{cfg.name} grid")
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
-    report = report_for(result)
-    result["analysis"] = report.analyze(result)
-    store.save()
-    report.plot(result, cfg.out / f"{cfg.name}.png")
-    return result
+    return runner.finish(result, report_for(result), cfg.out / f"{cfg.name}.png", store.save)
 
 
 def report_for(result: dict[str, Any]) -> Any:
@@ -588,13 +554,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if cfg.measure_speed:
         torch.set_num_threads(cfg.threads)
         return measure_speed(cfg)
+    path = cfg.out / f"{cfg.name}.json"
     if cfg.replot:
-        path = cfg.out / f"{cfg.name}.json"
-        result = json.loads(path.read_text())
-        result["analysis"] = report_for(result).analyze(result)
-        path.write_text(json.dumps(result, default=float))
-        report_for(result).plot(result, cfg.out / f"{cfg.name}.png")
-    else:
-        result = run(cfg, argv)
-    print(report_for(result).tables(result))
-    return result
+        return runner.replot(path, report_for(json.loads(path.read_text())), cfg.out / f"{cfg.name}.png")
+    return run(cfg, argv)

@@ -1,0 +1,174 @@
+"""The harness's one experiment runner: a plan of cells, one run key, learning-rate rounds chosen from the stored runs,
+one store shared by the workers (:class:`~dp_bench.store.SharedResult`), the loop that trains what is missing, and
+one report protocol (analyze → tables → plot).
+
+``dp-bench grid``, ``dp-bench federated`` and ``dp-bench centralized`` fill it in: each says which cells it plans,
+which learning rates a cell runs now (:class:`Schedule`), how one run is trained, and its report module. Start the
+same ``--resume`` command once per core: every worker walks the plan in its order and trains the first run it can
+claim (:func:`next_run`); a tuning round is chosen once all its runs are stored, as a pure function of them, so every
+worker sees the same rounds (:func:`tune_round`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from .lr_rule import lr_edge_step
+from .store import POLL_SECONDS, SharedResult, atomic_write_json
+
+__all__ = ["Cell", "Report", "Schedule", "drive", "finish", "next_run", "replot", "run_key", "tune_round"]
+
+
+def run_key(phase: str, method: str, *, eps: float, seed: int, lr: float, cell: Sequence[str] = ()) -> str:
+    """The one run-key format: ``phase|method|<cell parts>|eps<ε>|s<seed>|lr<lr>`` (``%g`` numbers)."""
+    return _prefix(phase, method, eps, seed, cell) + f"{lr:g}"
+
+
+def _prefix(phase: str, method: str, eps: float, seed: int, cell: Sequence[str]) -> str:
+    return "|".join([phase, method, *cell, f"eps{eps:g}", f"s{seed}", "lr"])
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One planned (phase, method, ε, seed) of a command, ``cell`` its further key parts (the grid's optimizer and
+    batch); its runs differ only in the learning rate."""
+
+    phase: str
+    method: str
+    eps: float
+    seed: int
+    cell: tuple[str, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        """The keys of the cell's runs up to the learning rate."""
+        return _prefix(self.phase, self.method, self.eps, self.seed, self.cell)
+
+    def key(self, lr: float) -> str:
+        return f"{self.prefix}{lr:g}"
+
+
+class Schedule(Protocol):
+    """A command's part of the schedule."""
+
+    def lrs(self, cell: Cell, result: dict[str, Any]) -> list[float] | None:
+        """The learning rates ``cell`` runs now: its open tuning round, or the chosen rate of an evaluation cell;
+        ``[]`` when nothing more is to run; None while the rate it needs is still being chosen."""
+        ...
+
+
+def tune_round(
+    runs: Mapping[str, dict[str, Any]],
+    cell: Cell,
+    base: Sequence[float],
+    extensions: int,
+    metric: Callable[[dict[str, Any]], float],
+) -> tuple[list[float], float | None, dict[float, float]]:
+    """``(to run, best, tried)`` of a tuning cell, from the stored ``runs`` (key → record) alone: first ``base``;
+    once all of it is stored, the best ``metric`` among everything tried and, when it lies at an end of what was
+    tried, the next value outward (a factor 2, at most ``extensions`` times: :func:`dp_bench.lr_rule.lr_edge_step`).
+    ``best`` is None while a round is open; ``to run`` is ``[]`` once the choice is final."""
+    n = len(cell.prefix)
+    tried = {float(k[n:]): metric(r) for k, r in runs.items() if k.startswith(cell.prefix)}
+    missing = [lr for lr in base if lr not in tried]
+    if missing:
+        return missing, None, tried
+    best, nxt = lr_edge_step(tried, list(base), extensions)
+    todo = [lr for lr in nxt if lr not in tried]
+    return todo, (None if todo else best), tried
+
+
+def next_run(
+    runs: Mapping[str, Any],
+    plan: Sequence[Cell],
+    schedule: Schedule,
+    result: dict[str, Any],
+    claim: Callable[[str], bool],
+) -> tuple[tuple[Cell, float, str] | None, bool, int]:
+    """``(run, waiting, done)``: the first run of ``plan`` (in its order) that ``claim`` grants — ``(cell, lr, key)``
+    or None —, whether some run is not stored yet but cannot be claimed now (another worker trains it, or its cell's
+    learning rate is not chosen yet), and how many planned cells are complete. A worker that waits for another's
+    tuning run moves on to the next cell instead of idling."""
+    waiting, done = False, 0
+    for cell in plan:
+        lrs = schedule.lrs(cell, result)
+        if lrs is None:
+            waiting = True
+            continue
+        keys = {cell.key(lr): lr for lr in lrs}
+        missing = [k for k in keys if k not in runs]
+        if not missing:
+            done += 1
+            continue
+        mine = next((k for k in missing if claim(k)), None)
+        if mine is not None:
+            return (cell, keys[mine], mine), True, done
+        waiting = True
+    return None, waiting, done
+
+
+def drive(
+    store: SharedResult,
+    plan: Sequence[Cell],
+    schedule: Schedule,
+    train: Callable[[Cell, float], dict[str, Any]],
+    *,
+    desc: str,
+    stop: Callable[[], bool] | None = None,
+    poll: float = POLL_SECONDS,
+) -> bool:
+    """Train every planned run not stored yet (:func:`next_run`), storing each when it ends, then wait for the
+    other workers' last runs. ``stop()``: checked before each run; True ends the loop early (the return value)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(plan), desc=desc, unit="cell")
+    stopped = False
+    while True:
+        store.sync()
+        run, waiting, done = next_run(store.runs(), plan, schedule, store.result, store.claim)
+        bar.update(done - bar.n)
+        if run is None:
+            if not waiting:
+                break
+            time.sleep(poll)  # every open run is another worker's, or waits for a choice that needs them
+            continue
+        cell, lr, key = run
+        if stop is not None and stop():
+            store.release(key)
+            stopped = True
+            break
+        store.put(key, train(cell, lr))
+    bar.close()
+    store.wait_until_idle()
+    return stopped
+
+
+class Report(Protocol):
+    """A command's report: the analysis of a stored result, its Markdown tables, its plot."""
+
+    def analyze(self, result: dict[str, Any]) -> dict[str, Any]: ...
+
+    def tables(self, result: dict[str, Any]) -> str: ...
+
+    def plot(self, result: dict[str, Any], path: Path) -> None: ...
+
+
+def finish(result: dict[str, Any], report: Report, png: Path, save: Callable[[], None]) -> dict[str, Any]:
+    """The analysis into ``result``, ``save()`` (the JSON), the plot at ``png``; the tables printed."""
+    result["analysis"] = report.analyze(result)
+    save()
+    report.plot(result, png)
+    print(report.tables(result))
+    return result
+
+
+def replot(path: Path, report: Report, png: Path, dumps: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``--replot``: the analysis, the JSON (``json.dumps`` options ``dumps``), the plot and the tables again from
+    the stored runs alone."""
+    result = json.loads(path.read_text())
+    return finish(result, report, png, lambda: atomic_write_json(path, result, **(dumps or {})))

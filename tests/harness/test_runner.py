@@ -1,0 +1,58 @@
+"""The harness's one experiment runner (dp_bench.runner): the key format, tuning rounds from stored runs alone, and
+the loop that trains what is missing, stores it, and gives a claim back when it stops early."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dp_bench import runner
+from dp_bench.store import SharedResult
+
+
+def test_one_key_format_for_every_command():
+    cell = runner.Cell("tune", "none", 3.0, 100, ("sgd", "B256"))
+    assert cell.key(0.5) == runner.run_key("tune", "none", eps=3.0, seed=100, lr=0.5, cell=("sgd", "B256"))
+    assert cell.key(0.5) == "tune|none|sgd|B256|eps3|s100|lr0.5"
+    assert runner.run_key("eval", "la-lora", eps=1.0, seed=0, lr=2.0) == "eval|la-lora|eps1|s0|lr2"
+
+
+def test_a_tuning_round_is_a_pure_function_of_the_stored_runs():
+    cell = runner.Cell("tune", "m", 3.0, 100)
+    runs = {cell.key(lr): {"val": v} for lr, v in ((1.0, 0.5), (2.0, 0.7))}
+    runs[runner.Cell("tune", "other", 3.0, 100).key(1.0)] = {"val": 9.0}  # another cell's run is not counted
+    metric = lambda r: r["val"]  # noqa: E731
+    assert runner.tune_round({}, cell, [1.0, 2.0], 1, metric) == ([1.0, 2.0], None, {})
+    todo, best, tried = runner.tune_round(runs, cell, [1.0, 2.0], 1, metric)
+    assert (todo, best, tried) == ([4.0], None, {1.0: 0.5, 2.0: 0.7})  # the best at the edge: one step outward
+    runs[cell.key(4.0)] = {"val": 0.6}
+    assert runner.tune_round(runs, cell, [1.0, 2.0], 1, metric)[:2] == ([], 2.0)
+
+
+class _Fixed:
+    def lrs(self, cell, result):
+        return [0.1]
+
+
+def test_drive_trains_every_missing_run_once_and_stores_it(tmp_path: Path):
+    path = tmp_path / "r.json"
+    store = SharedResult(path, {"runs": {}})
+    plan = [runner.Cell("eval", m, 1.0, 0) for m in ("a", "b")]
+    trained = []
+
+    def train(cell, lr):
+        trained.append(cell.key(lr))
+        return {"method": cell.method, "wall_seconds": 1.0}
+
+    assert runner.drive(store, plan, _Fixed(), train, desc="t", poll=0.0) is False
+    assert trained == ["eval|a|eps1|s0|lr0.1", "eval|b|eps1|s0|lr0.1"]
+    assert set(json.loads(path.read_text())["runs"]) == set(trained)
+    runner.drive(SharedResult(path, json.loads(path.read_text())), plan, _Fixed(), train, desc="t", poll=0.0)
+    assert len(trained) == 2  # a second worker (or --resume) finds nothing to do
+
+
+def test_drive_stops_early_and_gives_its_claim_back(tmp_path: Path):
+    store = SharedResult(tmp_path / "r.json", {"runs": {}})
+    plan = [runner.Cell("eval", "a", 1.0, 0)]
+    assert runner.drive(store, plan, _Fixed(), lambda c, lr: {}, desc="t", stop=lambda: True, poll=0.0) is True
+    assert store.in_flight() == set() and store.keys() == set()
