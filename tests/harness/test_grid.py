@@ -99,6 +99,8 @@ def test_resume_may_grow_the_grid_but_never_drop_or_change_what_is_stored() -> N
     stored = as_json(grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"]))
     grown = grid.Config(epsilons=[3.0, 1.0], seeds=[0, 1, 2], methods=["none", "rmt", "ema"], threads=1)
     assert grid.resumable(stored, as_json(grown))
+    elsewhere = grid.Config(epsilons=[3.0], seeds=[0, 1], methods=["none", "rmt"], out=Path("/another/checkout"))
+    assert grid.resumable(stored, as_json(elsewhere))  # the same grid, resumed from another clone
     for bad in (
         grid.Config(epsilons=[1.0], seeds=[0, 1], methods=["none", "rmt"]),  # drops ε = 3
         grid.Config(epsilons=[3.0], seeds=[1], methods=["none", "rmt"]),  # drops seed 0

@@ -486,11 +486,12 @@ GROWABLE = ("methods", "optimizers", "batches", "epsilons", "seeds")
 
 
 def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether a stored grid's configuration is this one, up to the execution settings (``resume``, ``threads``:
-    the thread count changes only the order of float sums), options added since at their defaults, and the
+    """Whether a stored grid's configuration is this one, up to the execution settings (``resume``; ``threads``:
+    the thread count changes only the order of float sums; ``out``: the folder of the JSON being resumed, an absolute
+    path that differs between checkouts), options added since at their defaults, and the
     :data:`GROWABLE` lists, which may only grow (every stored value is still asked for)."""
     defaults = as_json(Config())
-    if not same_config(stored, now, defaults=defaults, ignore={"resume", "threads", *GROWABLE}):
+    if not same_config(stored, now, defaults=defaults, ignore={"resume", "threads", "out", *GROWABLE}):
         return False
     return all(set(stored.get(k, defaults[k])) <= set(now[k]) for k in GROWABLE)
 
