@@ -110,6 +110,40 @@ def test_resume_may_grow_the_grid_but_never_drop_or_change_what_is_stored() -> N
         assert not grid.resumable(stored, as_json(bad))
 
 
+def test_top_layers_reaches_the_cached_bed_and_keeps_older_grids_resumable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dp_bench.commands import grid
+    from dp_bench.config import as_json, parse_config
+
+    calls = []
+    monkeypatch.setattr(grid, "frozen_text_task", lambda *a, **k: calls.append((a, k)) or pytest.skip("recorded"))
+    with pytest.raises(pytest.skip.Exception):
+        grid.load_task(grid.Config(model="minilm", top_layers=2, val_size=1000))
+    assert calls == [(("minilm", 48, 2), {"val_size": 1000})]  # the bottom 4 of MiniLM's 6 layers cached
+    older = as_json(grid.Config(model="minilm"))
+    older.pop("top_layers")  # a grid stored before the option (§8's rt.json) resumes at its default
+    assert grid.resumable(older, as_json(grid.Config(model="minilm")))
+    assert not grid.resumable(older, as_json(grid.Config(model="minilm", top_layers=2)))
+    with pytest.raises(SystemExit):  # argparse error: the option belongs to the MiniLM bed only
+        parse_config(grid.Config, ["--model", "mlp", "--top-layers", "2"], prog="dp-bench grid", description="")
+
+
+def test_no_tune_plans_no_tuning_run_and_trains_every_arm_at_its_one_learning_rate() -> None:
+    from dp_bench.commands import grid
+    from dp_bench.config import parse_config
+
+    argv = ["--optimizers", "adamw", "--lr-grid-adamw", "5e-4", "--batches", "2000", "--epsilons", "6.7"]
+    argv += ["--target-epsilon", "6.7", "--seeds", "0", "1", "--methods", "none", "rmt", "--no-tune"]
+    cfg = parse_config(grid.Config, argv, prog="dp-bench grid", description="")
+    plan = grid.planned(cfg)
+    assert [c.phase for c in plan] == ["eval"] * 8  # 2 seeds x (2 methods + 2 references), no tuning cell
+    schedule = grid.GridSchedule(cfg)
+    assert {c.method for c in plan} == {"none", "rmt", "nonprivate", "clip-only"}
+    assert all(schedule.lrs(c, {"runs": {}, "lr_choice": {}}) == [5e-4] for c in plan)  # no choice is waited for
+    with pytest.raises(SystemExit):  # two candidate rates but nothing to choose them with
+        parse_config(grid.Config, [*argv, "--lr-grid-adamw", "5e-4", "1e-3"], prog="dp-bench grid", description="")
+    assert grid.planned(grid.Config())[0].phase == "tune"  # the default still tunes
+
+
 def test_grid_grown_on_resume_keeps_its_runs_and_lr_choice_and_adds_only_the_new_cells(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,7 @@ Beds (``--model``): ``mlp`` / ``cnn`` on Fashion-MNIST (:func:`dp_bench.task.fas
 ``dataset-fashion-mnist``, 55,000 training / 5,000 validation images, a fixed seeded split of the 60,000, and the
 10,000 test images; the MLP 784 → 256 → 10 (tanh) and the tanh CNN of Papernot et al. 2021,
 :mod:`dp_bench.vision`), and ``minilm``: all-MiniLM-L6-v2 on packaged Rotten Tomatoes with LoRA
-(``--trainable``) on the top encoder layer and a fresh head, the bottom layers cached exactly
+(``--trainable``) on the top ``--top-layers`` encoder layers and a fresh head, the bottom layers cached exactly
 (:func:`dp_bench.task.frozen_text_task`, a validation split carved from its training split); ``smollm2``:
 SmolLM2-135M-Instruct on Shakespeare blocks split by work, DP-LoRA r = 32, α = 64 on every ``q_proj`` / ``v_proj``
 (:mod:`dp_bench.lm_task`), loss :func:`opacus_spectral.causal_lm_loss`, score ``-log`` perplexity (larger is better,
@@ -95,7 +95,8 @@ class Config:
         "mlp or cnn (Fashion-MNIST), minilm (Rotten Tomatoes), smollm2 (Shakespeare)",
         choices=("mlp", "cnn", "minilm", "smollm2"),
     )
-    trainable: str = opt("lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layer")
+    trainable: str = opt("lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layers")
+    top_layers: int = opt(1, "--model minilm: encoder layers trained (LoRA on each); the layers below are cached")
     methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
@@ -123,6 +124,7 @@ class Config:
     checkpoints: int = opt(20, "evaluations along the run")
     target_epsilon: float = opt(3.0, "the baseline's final accuracy at this ε is the target of the ε metric")
     lr_extensions: int = opt(3, "outward extensions of the lr grid when the best value is at an end (0: none)")
+    tune: bool = opt(True, "choose each arm's lr on validation (else every arm trains at its lr grid's one value)")
     tune_references: bool = opt(True, "tune the references' lr (else they take the 'none' arm's choice)")
     reference_seeds: int = opt(0, "evaluation seeds of the references: the first N of --seeds (0: all)")
     tune_test_curve: bool = opt(True, "score the test split at every checkpoint of a tuning run (else at its end)")
@@ -148,6 +150,10 @@ class Config:
             raise ValueError("--target-epsilon must be one of --epsilons")
         if self.model in ("minilm", "smollm2") and ("disk" in self.methods or self.measure_speed):
             raise ValueError(f"--model {self.model}: 'disk' and --measure-speed are defined for the image models only")
+        if not self.tune and any(len(self.lr_grid(o, m)) != 1 for o in self.optimizers for m in self.arms()):
+            raise ValueError("--no-tune trains every arm at one learning rate: give each --lr-grid one value")
+        if self.top_layers != 1 and self.model != "minilm":
+            raise ValueError("--top-layers is a --model minilm setting (the other beds train their whole model or q/v)")
         if self.model == "smollm2" and self.grad_sample_mode != "hooks":
             raise ValueError("--model smollm2 trains with causal_lm_loss in hooks mode: pass --grad-sample-mode hooks")
         if self.smoke and self.model == "smollm2":
@@ -157,6 +163,10 @@ class Config:
             self.epochs, self.seeds, self.batches, self.checkpoints = 0.05, [0, 1], [256], 2
             self.lr_grid_sgd, self.lr_grid_adamw, self.val_size = [1.0, 2.0], [1e-3, 2e-3], 500
             self.lr_grid_nonprivate = [0.1]
+
+    def arms(self) -> list[str]:
+        """The methods and, with ``--references``, the references."""
+        return [*self.methods, *(REFERENCES if self.references else ())]
 
     def lr_grid(self, optimizer: str, method: str) -> list[float]:
         if method == "nonprivate" and optimizer == "sgd":
@@ -177,7 +187,7 @@ def load_task(cfg: Config) -> ImageTask | FrozenTextTask | LMTask:
             cfg.block_size, val_blocks=cfg.val_blocks, test_blocks=cfg.test_blocks, works=works, max_lines=lines
         )
     if cfg.model == "minilm":
-        task = frozen_text_task("minilm", 48, 1, val_size=cfg.val_size)
+        task = frozen_text_task("minilm", 48, cfg.top_layers, val_size=cfg.val_size)
         if cfg.physical_batch > 0:  # evaluation sets sorted by length once: accuracy is order-free, batches trim
             task.val, task.test = by_length(task.val), by_length(task.test)
         return task
@@ -396,7 +406,8 @@ def tune_round(result: dict[str, Any], cfg: Config, cell: Cell) -> list[float]:
 @dataclass
 class GridSchedule:
     """The grid's part of the runner's schedule: a tuning cell runs its open round; an evaluation cell its cell's
-    chosen rate once final (a reference's is the 'none' arm's without ``--tune-references``)."""
+    chosen rate once final (a reference's is the 'none' arm's without ``--tune-references``; with ``--no-tune`` its
+    lr grid's one value)."""
 
     cfg: Config
 
@@ -404,6 +415,8 @@ class GridSchedule:
         if cell.phase == "tune":
             return tune_round(result, self.cfg, cell)
         optimizer, batch = cell.cell
+        if not self.cfg.tune:
+            return self.cfg.lr_grid(optimizer, cell.method)  # its one value (validated)
         method = cell.method if self.cfg.tune_references or cell.method not in REFERENCES else "none"
         tuning = Cell("tune", method, self.cfg.tune_epsilon, self.cfg.tune_seed, cell.cell)
         if tune_round(result, self.cfg, tuning):
@@ -457,10 +470,10 @@ def measure_speed(cfg: Config) -> dict[str, Any]:
 
 
 def planned(cfg: Config) -> list[Cell]:
-    """The learning-rate cells first, then seed-major evaluation cells (the references only on the first
-    ``--reference-seeds`` seeds when it is set)."""
-    methods = [*cfg.methods, *(REFERENCES if cfg.references else ())]
-    tuned = [m for m in methods if cfg.tune_references or m not in REFERENCES]
+    """The learning-rate cells first (none with ``--no-tune``), then seed-major evaluation cells (the references
+    only on the first ``--reference-seeds`` seeds when it is set)."""
+    methods = cfg.arms()
+    tuned = [m for m in methods if cfg.tune and (cfg.tune_references or m not in REFERENCES)]
     tune = [
         cell_of("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed)
         for b in cfg.batches
