@@ -114,11 +114,13 @@ def test_top_layers_reaches_the_cached_bed_and_keeps_older_grids_resumable(monke
     from dp_bench.commands import grid
     from dp_bench.config import as_json, parse_config
 
-    calls = []
-    monkeypatch.setattr(grid, "frozen_text_task", lambda *a, **k: calls.append((a, k)) or pytest.skip("recorded"))
-    with pytest.raises(pytest.skip.Exception):
-        grid.load_task(grid.Config(model="minilm", top_layers=2, val_size=1000))
+    calls, task = [], object()
+    monkeypatch.setattr(grid, "frozen_text_task", lambda *a, **k: calls.append((a, k)) or task)
+    assert grid.load_task(grid.Config(model="minilm", top_layers=2, val_size=1000)) is task
     assert calls == [(("minilm", 48, 2), {"val_size": 1000})]  # the bottom 4 of MiniLM's 6 layers cached
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"top_layers must be in \[1, 2\]"):  # the tiny BERT has 2 layers
+        grid.frozen_text_task("tiny", 16, 3)
     older = as_json(grid.Config(model="minilm"))
     older.pop("top_layers")  # a grid stored before the option (§8's rt.json) resumes at its default
     assert grid.resumable(older, as_json(grid.Config(model="minilm")))
@@ -141,6 +143,8 @@ def test_no_tune_plans_no_tuning_run_and_trains_every_arm_at_its_one_learning_ra
     assert all(schedule.lrs(c, {"runs": {}, "lr_choice": {}}) == [5e-4] for c in plan)  # no choice is waited for
     with pytest.raises(SystemExit):  # two candidate rates but nothing to choose them with
         parse_config(grid.Config, [*argv, "--lr-grid-adamw", "5e-4", "1e-3"], prog="dp-bench grid", description="")
+    with pytest.raises(SystemExit):  # --smoke trains its own two-value grids
+        parse_config(grid.Config, [*argv, "--smoke"], prog="dp-bench grid", description="")
     assert grid.planned(grid.Config())[0].phase == "tune"  # the default still tunes
 
 

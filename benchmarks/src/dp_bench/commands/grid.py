@@ -150,8 +150,6 @@ class Config:
             raise ValueError("--target-epsilon must be one of --epsilons")
         if self.model in ("minilm", "smollm2") and ("disk" in self.methods or self.measure_speed):
             raise ValueError(f"--model {self.model}: 'disk' and --measure-speed are defined for the image models only")
-        if not self.tune and any(len(self.lr_grid(o, m)) != 1 for o in self.optimizers for m in self.arms()):
-            raise ValueError("--no-tune trains every arm at one learning rate: give each --lr-grid one value")
         if self.top_layers != 1 and self.model != "minilm":
             raise ValueError("--top-layers is a --model minilm setting (the other beds train their whole model or q/v)")
         if self.model == "smollm2" and self.grad_sample_mode != "hooks":
@@ -163,6 +161,9 @@ class Config:
             self.epochs, self.seeds, self.batches, self.checkpoints = 0.05, [0, 1], [256], 2
             self.lr_grid_sgd, self.lr_grid_adamw, self.val_size = [1.0, 2.0], [1e-3, 2e-3], 500
             self.lr_grid_nonprivate = [0.1]
+        # checked after --smoke has set the grids it trains
+        if not self.tune and any(len(self.lr_grid(o, m)) != 1 for o in self.optimizers for m in self.arms()):
+            raise ValueError("--no-tune trains every arm at one learning rate: give each --lr-grid one value")
 
     def arms(self) -> list[str]:
         """The methods and, with ``--references``, the references."""
