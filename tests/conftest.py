@@ -11,7 +11,8 @@ import pytest
 import torch
 from repo_support import subprocess_env
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# one thread per pytest-xdist worker (the README's command runs two on the two cores), at most two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 # every process a test starts (a Flower SuperNode or ServerApp rebuilding ``fed_tiny:tiny``, a torchrun rank, a
 # ``python -c`` probe) inherits the environment: name the support folder there as pytest's ``pythonpath`` does here
 os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]
