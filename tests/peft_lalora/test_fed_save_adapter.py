@@ -130,7 +130,7 @@ def test_flower_run_saves_the_adapter_and_removes_its_private_workdir(tmp_path, 
     torch.set_num_threads(1)
     cfg = FederationConfig(**{**CFG, "rounds": 1})
     t0 = time.perf_counter()
-    out = run_flower(cfg, threads=1, timeout=300, save_adapter=tmp_path / "adapter")
+    out = run_flower(cfg, threads=1, timeout=600, save_adapter=tmp_path / "adapter")
     print(f"flower run with --save-adapter: {time.perf_counter() - t0:.1f}s")
     assert len(made) == 1 and not made[0].exists()
     assert out["workdir"] is None and out["state_path"] is None
