@@ -5,10 +5,15 @@ noise multiplier σ whose ``steps`` Poisson-sampled steps of rate q spend at mos
 (Opacus' ``get_noise_multiplier``, which searches σ by bisection to within ``epsilon_tolerance``). DPTrainer,
 the federated client and the harness call it; ``PrivacyEngine.make_private_with_epsilon`` reaches the same
 Opacus function.
+
+The search is a pure function of its arguments and costs seconds (each bisection step is a full accountant
+evaluation; the RDP accountant's fractional orders dominate), so its result is kept per argument tuple: a federated
+simulation's server and clients calibrate the same partitions, and a grid the same cells, once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 __all__ = ["noise_multiplier_for"]
@@ -28,8 +33,6 @@ def noise_multiplier_for(
     Raises:
         ValueError: ε not a positive finite number, δ outside (0, 1), q outside (0, 1] or steps < 1.
     """
-    from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415 - heavy import
-
     if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(
             f"target_epsilon must be a positive finite number, got {target_epsilon!r} (a run without privacy takes "
@@ -41,13 +44,24 @@ def noise_multiplier_for(
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    args = (float(target_epsilon), float(target_delta), float(sample_rate), int(steps), accountant)
+    return _search(*args, float(epsilon_tolerance))
+
+
+@functools.lru_cache(maxsize=1024)
+def _search(
+    target_epsilon: float, target_delta: float, sample_rate: float, steps: int, accountant: str, tolerance: float
+) -> float:
+    """Opacus' bisection for σ (validated arguments; one evaluation per distinct argument tuple)."""
+    from opacus.accountants.utils import get_noise_multiplier  # noqa: PLC0415 - heavy import
+
     return float(
         get_noise_multiplier(
-            target_epsilon=float(target_epsilon),
-            target_delta=float(target_delta),
-            sample_rate=float(sample_rate),
-            steps=int(steps),
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=sample_rate,
+            steps=steps,
             accountant=accountant,
-            epsilon_tolerance=epsilon_tolerance,
+            epsilon_tolerance=tolerance,
         )
     )
