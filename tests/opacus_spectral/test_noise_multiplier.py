@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import opacus.accountants.utils as opacus_utils
 import pytest
-from opacus_spectral.noise_multiplier import noise_multiplier_for
 
 from opacus_spectral import noise_multiplier as nm
+
+noise_multiplier_for = nm.noise_multiplier_for
 
 CASE = dict(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.1, steps=20)
 COARSE = dict(accountant="rdp", epsilon_tolerance=0.5)  # a short bisection: these tests count searches
