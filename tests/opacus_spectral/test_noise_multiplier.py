@@ -1,4 +1,5 @@
-"""``noise_multiplier_for``: Opacus' calibration, validated once, searched once per distinct argument tuple."""
+"""``noise_multiplier_for``: Opacus' calibration, validated once, searched once per distinct argument tuple; and
+``epsilon_from_history``, its inverse, evaluated once per distinct history."""
 
 from __future__ import annotations
 
@@ -65,3 +66,64 @@ def test_bad_arguments_are_refused_before_any_search(counted: list[dict], change
     with pytest.raises(ValueError):
         noise_multiplier_for(**{**CASE, **change})
     assert counted == []
+
+
+# --- epsilon_from_history: the inverse, one accountant evaluation per distinct history -------------------------
+
+HISTORY = [(1.1, 0.01, 40), (0.9, 0.02, 10)]
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_epsilon_is_a_fresh_opacus_accountants(accountant: str) -> None:
+    from opacus.accountants import create_accountant
+
+    acc = create_accountant(mechanism=accountant)
+    acc.history = list(HISTORY)
+    assert nm.epsilon_from_history(HISTORY, 1e-5, accountant) == float(acc.get_epsilon(1e-5))  # bit for bit
+
+
+def test_epsilon_is_evaluated_once_per_distinct_history(monkeypatch) -> None:
+    from opacus.accountants import RDPAccountant
+
+    calls: list[list] = []
+    original = RDPAccountant.get_epsilon
+
+    def counting(self, delta, **kwargs):
+        calls.append(list(self.history))
+        return original(self, delta, **kwargs)
+
+    monkeypatch.setattr(RDPAccountant, "get_epsilon", counting)
+    nm._epsilon.cache_clear()
+    try:
+        first = nm.epsilon_from_history([(1, 0.01, 40)], 1e-5, "rdp")
+        assert nm.epsilon_from_history([(1.0, 0.01, 40.0)], 1e-5, "rdp") == first  # the same history spelled otherwise
+        assert len(calls) == 1 and calls[0] == [(1.0, 0.01, 40)]
+        nm.epsilon_from_history([(1.0, 0.01, 41)], 1e-5, "rdp")
+        nm.epsilon_from_history([(1.0, 0.01, 40)], 1e-6, "rdp")
+        assert len(calls) == 3
+        assert nm.epsilon_from_history([(1.0, 0.01, 41)], 1e-5, "rdp") > first  # more steps spend more
+    finally:
+        nm._epsilon.cache_clear()
+
+
+def test_epsilon_of_nothing_and_of_a_step_without_noise() -> None:
+    assert nm.epsilon_from_history([], 1e-5) == 0.0
+    assert nm.epsilon_from_history([(1.0, 0.01, 5), (0.0, 0.01, 1)], 1e-5) == float("inf")
+
+
+@pytest.mark.parametrize(
+    "history, delta, accountant",
+    [
+        (HISTORY, 0.0, "prv"),
+        (HISTORY, 1.0, "prv"),
+        (HISTORY, 1e-5, "moments"),
+        ([(-1.0, 0.01, 5)], 1e-5, "prv"),
+        ([(float("nan"), 0.01, 5)], 1e-5, "prv"),
+        ([(1.0, 0.0, 5)], 1e-5, "prv"),
+        ([(1.0, 1.5, 5)], 1e-5, "prv"),
+        ([(1.0, 0.01, 0)], 1e-5, "prv"),
+    ],
+)
+def test_bad_histories_are_refused(history, delta, accountant) -> None:
+    with pytest.raises(ValueError):
+        nm.epsilon_from_history(history, delta, accountant)

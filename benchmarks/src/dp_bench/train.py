@@ -158,7 +158,10 @@ class _PrivateRun:
 
     def finish(self, noise_multiplier: float, delta: float) -> float:
         """The run's ε at ``delta`` (no noise: no guarantee, ∞); the pipeline is detached."""
-        eps = self.engine.get_epsilon(delta) if noise_multiplier > 0 else float("inf")
+        from opacus_spectral import epsilon_from_history
+
+        acc = self.engine.accountant  # the same ε as engine.get_epsilon, evaluated once per distinct history
+        eps = epsilon_from_history(acc.history, delta, acc.mechanism()) if noise_multiplier > 0 else float("inf")
         self.handle.remove()
         return eps
 

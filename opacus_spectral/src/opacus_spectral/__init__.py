@@ -17,7 +17,7 @@ from .hookspecs import hookimpl
 from .installation import PostHookHandle, install_post_hooks
 from .losses import causal_lm_loss
 from .lowpass import LowPassDenoiser
-from .noise_multiplier import noise_multiplier_for
+from .noise_multiplier import epsilon_from_history, noise_multiplier_for
 from .noise_source import ReproducibleNoiseWarning
 from .observer import observer
 from .pipeline import (
@@ -67,6 +67,7 @@ __all__ = [
     "StepDiagnostics",
     "available_denoisers",
     "causal_lm_loss",
+    "epsilon_from_history",
     "get_registry",
     "hookimpl",
     "install_post_hooks",

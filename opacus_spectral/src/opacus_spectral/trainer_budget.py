@@ -3,14 +3,13 @@ that stops training there and checks that the accountant counted every optimizer
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
-from opacus.accountants import create_accountant
 from transformers import TrainerCallback
 
 from .doctor import accounted_steps
+from .noise_multiplier import epsilon_from_history
 
 __all__ = ["DPControl", "budget_steps", "epsilon_after", "spends_infinite_epsilon"]
 
@@ -24,13 +23,10 @@ def spends_infinite_epsilon(accountant: Any) -> bool:
 def epsilon_after(accountant: Any, more: int, *, noise_multiplier: float, sample_rate: float, delta: float) -> float:
     """ε at ``delta`` once ``more`` steps of (noise_multiplier, q) follow the accountant's history (the accountant
     is untouched)."""
-    acc = create_accountant(accountant.mechanism())
-    acc.history = list(accountant.history)
+    history = list(accountant.history)
     if more > 0:
-        acc.history.append((noise_multiplier, sample_rate, more))
-    if spends_infinite_epsilon(acc):
-        return math.inf
-    return float(acc.get_epsilon(delta)) if acc.history else 0.0
+        history.append((noise_multiplier, sample_rate, more))
+    return epsilon_from_history(history, delta, accountant.mechanism())  # a step without noise: ∞
 
 
 def budget_steps(

@@ -240,11 +240,9 @@ def calibrate(eps: float, q: float, steps: int, delta: float = 1e-5) -> float:
 
 
 def rdp_epsilon(nm: float, q: float, steps: int, delta: float = 1e-5) -> float:
-    from opacus.accountants import RDPAccountant
+    from opacus_spectral import epsilon_from_history
 
-    acc = RDPAccountant()
-    acc.history = [(nm, q, steps)]
-    return float(acc.get_epsilon(delta))
+    return epsilon_from_history([(nm, q, steps)], delta, "rdp")
 
 
 class ReleasedOracle:

@@ -42,11 +42,9 @@ def epsilon_after(noise_multiplier: float, sample_rate: float, steps: int, delta
     """The PRV accountant's ε after ``steps`` Poisson steps (0 steps: 0)."""
     if steps <= 0:
         return 0.0
-    from opacus.accountants import PRVAccountant
+    from opacus_spectral import epsilon_from_history
 
-    acc = PRVAccountant()
-    acc.history = [(noise_multiplier, sample_rate, int(steps))]
-    return float(acc.get_epsilon(delta))
+    return epsilon_from_history([(noise_multiplier, sample_rate, int(steps))], delta, "prv")
 
 
 def verdict(ci: dict[str, Any], smallest_gain: float) -> str:
