@@ -122,6 +122,8 @@ def test_epsilon_of_nothing_and_of_a_step_without_noise() -> None:
         ([(1.0, 0.0, 5)], 1e-5, "prv"),
         ([(1.0, 1.5, 5)], 1e-5, "prv"),
         ([(1.0, 0.01, 0)], 1e-5, "prv"),
+        ([(1.0, 0.01, 2.5)], 1e-5, "prv"),  # not truncated to 2 steps (that would under-count ε)
+        ([(1.0, 0.01, float("inf"))], 1e-5, "prv"),
     ],
 )
 def test_bad_histories_are_refused(history, delta, accountant) -> None:

@@ -81,18 +81,20 @@ def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accou
     guarantee (∞).
 
     Raises:
-        ValueError: δ outside (0, 1), an unknown accountant, or an entry that is not (σ ≥ 0, 0 < q ≤ 1, steps ≥ 1).
+        ValueError: δ outside (0, 1), an unknown accountant, or an entry that is not
+            (σ ≥ 0, 0 < q ≤ 1, whole steps ≥ 1).
     """
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     if accountant not in ("prv", "rdp", "gdp"):
         raise ValueError(f"accountant must be 'prv', 'rdp' or 'gdp', got {accountant!r}")
-    hist = tuple((float(s), float(q), int(n)) for s, q, n in history)
-    for s, q, n in hist:
-        if not (s >= 0 and 0 < q <= 1 and n >= 1):
+    hist = tuple((float(s), float(q), float(n)) for s, q, n in history)
+    for s, q, n in hist:  # steps must be a whole number: truncating 2.5 to 2 would under-count ε
+        if not (s >= 0 and 0 < q <= 1 and n >= 1 and n.is_integer()):
             raise ValueError(
-                f"history entries are (noise_multiplier >= 0, 0 < sample_rate <= 1, steps >= 1), got {(s, q, n)}"
+                f"history entries are (noise_multiplier >= 0, 0 < sample_rate <= 1, whole steps >= 1), got {(s, q, n)}"
             )
+    hist = tuple((s, q, int(n)) for s, q, n in hist)
     if not hist:
         return 0.0
     if any(s == 0 for s, _, _ in hist):
