@@ -44,9 +44,11 @@ SLOW_MODULES = frozenset(
         "test_store",
         "test_support_equivalence",
         "test_trainer",
+        "test_trainer_batch_independence",
         "test_trainer_causal_lm",
         "test_trainer_ddp",
         "test_trainer_privacy",
+        "test_trainer_privacy_record",
         "test_trainer_smollm2",
     }
 )

@@ -221,6 +221,7 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
         "overhead",
         "noise-std",
         "isolation-cost",
+        "batch-check-cost",
         "grid",
         "audit",
         "overhead-llm",
@@ -228,6 +229,15 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
     for module in cli.COMMANDS.values():  # every command has a config dataclass and a main
         mod = __import__(module, fromlist=["main"])
         assert callable(mod.main)
+
+
+def test_batch_check_cost_smoke(tmp_path: Path) -> None:
+    from dp_bench.commands import batch_check_cost
+
+    res = batch_check_cost.main(["--steps", "2", "--batch", "4", "--records", "16", "--out", str(tmp_path / "b.json")])
+    right, left = res["sides"]["right"], res["sides"]["left"]
+    assert right["independent"] and right["check_s"] > 0 and right["step_s_median"] > 0 and not right["refused"]
+    assert left["check_s"] > 0 and left["refused"] == (not left["independent"]) and res["check_over_step"]["left"] > 0
 
 
 def test_isolation_cost_and_overhead_smoke(tmp_path: Path) -> None:

@@ -270,7 +270,7 @@ def test_federated_smoke_records_resume_and_replot(tmp_path: Path) -> None:
         "--probe-examples",
         "8",
         "--accountant",
-        "gdp",
+        "prv",
         "--out",
         str(out),
         "--no-progress",

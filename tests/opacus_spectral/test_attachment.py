@@ -35,7 +35,14 @@ from peft_lalora import AlternationController, LALoraConfig
 NM, C = 1.0, 1.0
 
 
-def _mlp_private(*, doctor=False, post_hooks=None, engine_cls=PrivacyEngine, **kw):
+def _without_guard(engine, keep: bool) -> None:
+    """These tests attach every subscriber themselves: the engine's own (float32 clipping, docs/engine.md "Reduced
+    precision") is removed unless ``keep``."""
+    if not keep and getattr(engine, "precision_guard", None) is not None:
+        engine.precision_guard.remove()
+
+
+def _mlp_private(*, doctor=False, post_hooks=None, engine_cls=PrivacyEngine, precision_guard=False, **kw):
     model = mlp(hidden=32, d_out=4)
     engine = engine_cls(accountant="rdp")
     extra = {"doctor": doctor, "post_hooks": post_hooks} if engine_cls is PrivacyEngine else {}
@@ -49,6 +56,7 @@ def _mlp_private(*, doctor=False, post_hooks=None, engine_cls=PrivacyEngine, **k
         **extra,
         **kw,
     )
+    _without_guard(engine, precision_guard)
     return engine, gsm, opt, dl
 
 
@@ -132,7 +140,7 @@ def _token_loader():
     return DataLoader(data, batch_size=8, generator=torch.Generator().manual_seed(2))
 
 
-def _lora_private(engine_cls=PrivacyEngine, **kw):
+def _lora_private(engine_cls=PrivacyEngine, precision_guard=False, **kw):
     model = _lora_bert()
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine = engine_cls(accountant="rdp")
@@ -146,6 +154,7 @@ def _lora_private(engine_cls=PrivacyEngine, **kw):
         noise_generator=torch.Generator().manual_seed(3),
         **kw,
     )
+    _without_guard(engine, precision_guard)
     return engine, model, opt, dl
 
 
@@ -167,7 +176,7 @@ def _train_lora(model, opt, dl, steps=3, between=None):
 
 
 def test_library_subscribers_keep_their_relative_order_whatever_the_order_of_attaching():
-    engine, model, opt, dl = _lora_private(post_hooks=[], doctor=False)
+    engine, model, opt, dl = _lora_private(post_hooks=[], doctor=False, precision_guard=True)
     controller = AlternationController(model, opt, mode="none")
     canaries = GradientCanaries(opt, 10, module=model, seed=0)
     doctor = install_doctor(opt, model, accountant=engine.accountant, mode="warn")  # attached last, runs first
@@ -176,7 +185,7 @@ def test_library_subscribers_keep_their_relative_order_whatever_the_order_of_att
     assert owners[BEFORE_INNER_STEP] == [doctor, engine.post_hooks, canaries]  # pipeline before canary reading
     assert owners[AFTER_STEP] == [doctor, engine.post_hooks, controller]
     assert owners[AFTER_ACCOUNTANT] == [doctor, engine.post_hooks]  # the std snapshot after the doctor's checks
-    assert owners[BEFORE_NOISE] == [canaries] and owners[PHYSICAL_BATCH] == [doctor]
+    assert owners[BEFORE_NOISE] == [canaries] and owners[PHYSICAL_BATCH] == [engine.precision_guard, doctor]
     _train_lora(model, opt, dl, steps=2)
     assert canaries.steps == 2 and controller.total_steps == 2 and engine.post_hooks.logical_steps == 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import opacus.accountants.utils as opacus_utils
 import pytest
+from opacus_spectral.accounting import ApproximateEpsilonWarning
 
 from opacus_spectral import noise_multiplier as nm
 
@@ -15,36 +16,29 @@ COARSE = dict(accountant="rdp", epsilon_tolerance=0.5)  # a short bisection: the
 
 
 @pytest.fixture
-def counted(monkeypatch) -> list[dict]:
-    """Every call that reaches Opacus' search, with a cold cache (and the cache left cold afterwards)."""
-    calls: list[dict] = []
-    search = opacus_utils.get_noise_multiplier
-
-    def counting(**kwargs):
-        calls.append(kwargs)
-        return search(**kwargs)
-
-    monkeypatch.setattr(opacus_utils, "get_noise_multiplier", counting)
+def searches():
+    """The number of searches run since the fixture started, with a cold cache (and the cache left cold afterwards)."""
     nm._search.cache_clear()
-    yield calls
+    yield lambda: nm._search.cache_info().misses
     nm._search.cache_clear()
 
 
-def test_is_opacus_calibration() -> None:
-    ours = noise_multiplier_for(**CASE, accountant="rdp")
-    assert ours == opacus_utils.get_noise_multiplier(**CASE, accountant="rdp", epsilon_tolerance=0.01)
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_is_opacus_calibration(accountant: str) -> None:
+    """The same search as Opacus' get_noise_multiplier, so the same σ (bounded: test_accounting_calibration.py)."""
+    ours = noise_multiplier_for(**CASE, accountant=accountant)
+    assert ours == opacus_utils.get_noise_multiplier(**CASE, accountant=accountant, epsilon_tolerance=0.01)
 
 
-def test_the_search_runs_once_per_distinct_arguments(counted: list[dict]) -> None:
+def test_the_search_runs_once_per_distinct_arguments(searches) -> None:
     first = noise_multiplier_for(**CASE, **COARSE)
     # the same budget spelled with ints is the same calibration
     again = noise_multiplier_for(**{**CASE, "target_epsilon": 3}, **COARSE)
-    assert again == first and len(counted) == 1
-    assert counted[0] == dict(**CASE, **COARSE)
+    assert again == first and searches() == 1
     for change in (dict(steps=21), dict(sample_rate=0.11), dict(target_delta=1e-6), dict(target_epsilon=3.5)):
         noise_multiplier_for(**{**CASE, **change}, **COARSE)
     noise_multiplier_for(**CASE, accountant="rdp", epsilon_tolerance=0.6)
-    assert len(counted) == 6
+    assert searches() == 6
 
 
 @pytest.mark.parametrize(
@@ -60,12 +54,17 @@ def test_the_search_runs_once_per_distinct_arguments(counted: list[dict]) -> Non
         dict(steps=0),
         dict(steps=2.5),
         dict(steps=True),
+        dict(epsilon_tolerance=0.0),
+        dict(epsilon_tolerance=-0.01),
+        dict(epsilon_tolerance=float("nan")),
+        dict(accountant="gdp"),
+        dict(accountant="moments"),
     ],
 )
-def test_bad_arguments_are_refused_before_any_search(counted: list[dict], change: dict) -> None:
+def test_bad_arguments_are_refused_before_any_search(searches, change: dict) -> None:
     with pytest.raises(ValueError):
         noise_multiplier_for(**{**CASE, **change})
-    assert counted == []
+    assert searches() == 0
 
 
 # --- epsilon_from_history: the inverse, one accountant evaluation per distinct history -------------------------
@@ -77,9 +76,26 @@ HISTORY = [(1.1, 0.01, 40), (0.9, 0.02, 10)]
 def test_epsilon_is_a_fresh_opacus_accountants(accountant: str) -> None:
     from opacus.accountants import create_accountant
 
+    history = HISTORY if accountant != "gdp" else HISTORY[:1]  # gdp reads one (σ, q): below
     acc = create_accountant(mechanism=accountant)
-    acc.history = list(HISTORY)
-    assert nm.epsilon_from_history(HISTORY, 1e-5, accountant) == float(acc.get_epsilon(1e-5))  # bit for bit
+    acc.history = list(history)
+    if accountant == "gdp":
+        with pytest.warns(ApproximateEpsilonWarning, match="approximation, not an upper bound"):
+            ours = nm.epsilon_from_history(history, 1e-5, accountant)
+    else:
+        ours = nm.epsilon_from_history(history, 1e-5, accountant)
+    assert ours == float(acc.get_epsilon(1e-5))  # bit for bit
+
+
+def test_a_gdp_history_of_several_settings_is_refused() -> None:
+    """Opacus' gdp accountant reads only the last entry: the first 40 steps would vanish from ε."""
+    from opacus.accountants import create_accountant
+
+    both, last = create_accountant(mechanism="gdp"), create_accountant(mechanism="gdp")
+    both.history, last.history = list(HISTORY), list(HISTORY[1:])
+    assert both.get_epsilon(1e-5) == last.get_epsilon(1e-5)  # upstream: the 40 steps at σ = 1.1 spend nothing
+    with pytest.raises(ValueError, match="reads only the last"):
+        nm.epsilon_from_history(HISTORY, 1e-5, "gdp")
 
 
 def test_epsilon_is_evaluated_once_per_distinct_history(monkeypatch) -> None:

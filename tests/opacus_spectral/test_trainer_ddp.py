@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -148,6 +149,56 @@ def train(out: Path, name: str) -> dict[str, Any]:
     }
 
 
+#: how rank 1's run differs from rank 0's in the agreement checks (rank 0: 16 records in order, C = 1)
+MISMATCHES = ("same", "order", "length", "setup")
+
+
+def mismatch_refusal(out: Path, kind: str) -> str:
+    """The error of a one-step DPTrainer run whose rank 1 holds the records in another order, one record fewer, or
+    another clipping bound ("same": rank 1 builds the same records itself); "no error" if it trains."""
+    from opacus_spectral.hf import DPTrainer
+    from peft import LoraConfig, get_peft_model
+    from text_support import synthetic_text_task, tiny_bert
+    from transformers import TrainingArguments
+
+    rank = int(os.environ.get("RANK", "0"))
+    data = synthetic_text_task(16, seq_len=8, seed=0)  # logical batch 8: q = 1/2 with 16 or 15 records
+    if rank == 1 and kind == "order":
+        data = data.select(list(reversed(range(16))))
+    if rank == 1 and kind == "length":
+        data = data.select(range(15))
+    args = TrainingArguments(
+        str(out / kind),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = get_peft_model(tiny_bert(seed=0), LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
+    clip = 2.0 if rank == 1 and kind == "setup" else 1.0
+    t = DPTrainer(
+        model=model, args=args, train_dataset=data, target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=clip
+    )
+    try:
+        t.train()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def left_padding_sums(out: Path) -> dict[str, torch.Tensor]:
+    """The batch-independence cell across processes (tests/padding_support.py): the all-reduced clipped sums of a
+    left-padded GPT-2 LoRA step on all six records, on all but the longest, and on the longest alone."""
+    from padding_support import LENGTHS, clipped_sum
+
+    rows = {"all": list(range(len(LENGTHS))), "rest": list(range(1, len(LENGTHS))), "longest": [0]}
+    return {name: clipped_sum(out / f"left-{name}", "causal_lm", "left", r) for name, r in rows.items()}
+
+
 def fsdp_refusal(out: Path) -> str:
     """The error of a DPTrainer built with an FSDP configuration (last: it leaves FSDP set in the environment)."""
     from opacus_spectral.hf import DPTrainer
@@ -249,6 +300,65 @@ def test_fsdp_is_refused_naming_torchrun_data_parallel(results):
         assert "torchrun --nproc_per_node N" in rank["fsdp_refusal"]
 
 
+def test_ranks_with_the_same_records_train(results):
+    assert [rank["mismatch"]["same"] for rank in results["ranks"]] == ["no error", "no error"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [
+        ("order", r"the records \(a hash of their content, in order, differs\)\. "),
+        ("length", r"dataset length \(rank 0: 16, rank 1: 15\); the records"),
+        ("setup", r"max_grad_norm \(rank 0: 1\.0, rank 1: 2\.0\)\. "),
+    ],
+)
+def test_ranks_holding_other_records_or_settings_are_refused_on_every_rank(results, kind, names):
+    """Each rank takes its share of what it holds: records in another order on rank 1 put one record in both
+    shards (drawn twice in a step: 2C) and another in none; another length gives rank 0 a lower ε to save."""
+    errors = [rank["mismatch"][kind] for rank in results["ranks"]]
+    assert errors[0] == errors[1]  # the same error on both ranks
+    assert errors[0].startswith("DPTrainer's ranks do not train the same run: ")
+    assert re.search(names, errors[0]), errors[0]
+    assert not re.search(r"[0-9a-f]{16}", errors[0])  # the fingerprint is never shown
+
+
+def test_the_dataset_fingerprint_sees_content_and_order_within_its_bounded_reads(monkeypatch):
+    """What the ranks compare (one process): records built apart agree; a swap or one changed token does not;
+    beyond FINGERPRINT_RECORDS only evenly spaced records are read; objects of unknown types by their type."""
+    from text_support import synthetic_text_task
+
+    from opacus_spectral import trainer_distributed as td
+
+    data = synthetic_text_task(10, seq_len=8, seed=0)
+    again = synthetic_text_task(10, seq_len=8, seed=0)
+    swapped = data.select([1, 0, *range(2, 10)])
+    ids = [list(row) for row in data.with_format(None)["input_ids"]]
+    ids[3][0] += 1
+    edited = data.remove_columns("input_ids").add_column("input_ids", ids).with_format("torch")
+    base = td.dataset_fingerprint(data)
+    assert td.dataset_fingerprint(again) == base
+    assert base not in {td.dataset_fingerprint(swapped), td.dataset_fingerprint(edited)}
+    assert td.dataset_fingerprint(data.with_format(None)) != base  # Python lists, not tensors: typed apart
+    monkeypatch.setattr(td, "FINGERPRINT_RECORDS", 4)
+    assert list(td.fingerprint_indices(10)) == [0, 3, 6, 9] and list(td.fingerprint_indices(4)) == [0, 1, 2, 3]
+    unread = data.select([0, 2, 1, *range(3, 10)])  # records 1 and 2 swapped: neither is read
+    assert td.dataset_fingerprint(unread) == td.dataset_fingerprint(data) != td.dataset_fingerprint(swapped)
+    assert td.dataset_fingerprint(edited) != td.dataset_fingerprint(data)
+    assert td.dataset_fingerprint([{"x": object()}]) == td.dataset_fingerprint([{"x": object()}])
+
+
+def test_left_padding_across_processes_moves_the_clipped_sum_by_the_removed_records_own_gradient(results):
+    """DESIGN invariant 8 with two processes: each rank runs the batch check and passes GPT-2 the same position_ids;
+    the all-reduced clipped sum moves by exactly the longest record's own clipped gradient (≤ C)."""
+    from padding_support import C
+
+    sums = [results["ranks"][r]["left_padding"] for r in range(2)]
+    assert all(torch.equal(sums[0][k], sums[1][k]) for k in sums[0])  # every rank released the same gradient
+    diff = sums[0]["all"] - sums[0]["rest"]
+    assert diff.norm().item() <= C * (1 + 1e-5)
+    torch.testing.assert_close(diff, sums[0]["longest"], rtol=0, atol=1e-4 * C)
+
+
 def test_causal_lm_evaluation_across_processes_is_refused(tmp_path, monkeypatch):
     from causal_lm_support import args, lm_dataset, lora_llama, trainer
     from transformers import TrainingArguments
@@ -292,6 +402,8 @@ if __name__ == "__main__":  # the torchrun worker
     target = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     out: dict[str, Any] = {name: train(target / "ddp", name) for name in RUNS}
+    out["mismatch"] = {kind: mismatch_refusal(target / "mismatch", kind) for kind in MISMATCHES}
+    out["left_padding"] = left_padding_sums(target)
     out["fsdp_refusal"] = fsdp_refusal(target)
     torch.save(out, target / f"rank{rank}.pt")
     print(json.dumps({"rank": rank, "done": sorted(out)}))

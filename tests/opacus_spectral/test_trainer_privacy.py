@@ -166,7 +166,15 @@ def test_checkpoint_dp_state_holds_no_generator_state(tmp_path):
     no seed. rng_state.pth (the Trainer's global RNG) no longer draws any noise: the tests above show it."""
     logged_run(tmp_path)
     state = torch.load(tmp_path / "checkpoint-2" / DP_STATE_FILE, weights_only=True)
-    assert set(state) == {"format", "config", "accountant", "post_hooks", "global_step", "parameters_digest"}
+    assert set(state) == {
+        "format",
+        "config",
+        "accountant",
+        "post_hooks",
+        "global_step",
+        "parameters_digest",
+        "privacy_record",  # earlier runs, the history composed with, the run's random id and unit
+    }
 
     def leaves(x, path=""):
         if isinstance(x, dict):

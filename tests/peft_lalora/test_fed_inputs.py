@@ -114,6 +114,25 @@ CASES = {
         [],
         ["f.csv", "record 2", "column 'sentiment'", "floats"],
     ),
+    "label column named twice (before: pandas used the first, silently)": (
+        "d.csv",
+        "review,sentiment,sentiment\n"
+        + "".join(f"{t},{y},{'neg' if y == 'pos' else 'pos'}\n" for t, y in _good_rows(12)),
+        [],
+        ["d.csv:1:", "column 'sentiment' is named twice in the header (fields 2 and 3)"],
+    ),
+    "another column named twice": (
+        "d.csv",
+        "review,film,sentiment,film\n" + "".join(f"{t},a,{y},b\n" for t, y in _good_rows()),
+        [],
+        ["d.csv:1:", "column 'film' is named twice in the header (fields 2 and 4)"],
+    ),
+    "JSONL field named twice (before: json kept the last, silently)": (
+        "d.jsonl",
+        _jsonl([*_GOOD_JSONL[:2], '{"review": "bad", "sentiment": "neg", "sentiment": "pos"}', *_GOOD_JSONL[2:]]),
+        [],
+        ["d.jsonl:3:", "record 3", "field 'sentiment' twice"],
+    ),
     "same text and label column": (
         "c.csv",
         _csv(_GOOD_CSV),

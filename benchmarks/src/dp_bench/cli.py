@@ -18,6 +18,7 @@ COMMANDS = {
     "overhead-llm": "dp_bench.commands.overhead_llm",
     "noise-std": "dp_bench.commands.noise_std",
     "isolation-cost": "dp_bench.commands.isolation_cost",
+    "batch-check-cost": "dp_bench.commands.batch_check_cost",
     "audit": "dp_bench.commands.audit",
     "grid": "dp_bench.commands.grid",
 }

@@ -27,6 +27,15 @@ from .pipeline import (
     PostNoisePipeline,
     StepDiagnostics,
 )
+from .privacy_record import (
+    ComposedPrivacyWarning,
+    PrivacyRecord,
+    PrivacyRun,
+    load_privacy_record,
+    privacy_record_of,
+    read_privacy_record,
+    save_privacy_record,
+)
 from .records import NoisyGradient, ParameterRole
 from .registry import (
     DenoiserInfo,
@@ -41,6 +50,7 @@ from .rmt import RMTDenoiser
 from .selection import Selector
 
 __all__ = [
+    "ComposedPrivacyWarning",
     "Denoiser",
     "DenoiserAdviceWarning",
     "DenoiserError",
@@ -61,6 +71,8 @@ __all__ = [
     "PostHookHandle",
     "PostNoisePipeline",
     "PrivacyEngine",
+    "PrivacyRecord",
+    "PrivacyRun",
     "RMTDenoiser",
     "ReproducibleNoiseWarning",
     "Selector",
@@ -72,10 +84,14 @@ __all__ = [
     "hookimpl",
     "install_post_hooks",
     "load_errors",
+    "load_privacy_record",
     "noise_multiplier_for",
     "noise_std",
     "observer",
+    "privacy_record_of",
+    "read_privacy_record",
     "reload_registry",
+    "save_privacy_record",
     "set_trainable",
 ]
 __version__ = "0.1.0"

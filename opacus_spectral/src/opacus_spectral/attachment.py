@@ -51,6 +51,7 @@ __all__ = [
     "EVENTS",
     "PHYSICAL_BATCH",
     "PIPELINE",
+    "PRECISION",
     "Attachment",
     "InnerStep",
     "Subscription",
@@ -69,8 +70,9 @@ AFTER_STEP = "after_step"
 #: every event, in firing order
 EVENTS = (PHYSICAL_BATCH, BEFORE_NOISE, BEFORE_ACCOUNTANT, AFTER_ACCOUNTANT, BEFORE_INNER_STEP, AFTER_STEP)
 
-#: the ``order`` keys of the library's subscribers (lower runs first in every event)
-DOCTOR, PIPELINE, CANARIES, CONTROLLER = 100, 200, 300, 400
+#: the ``order`` keys of the library's subscribers (lower runs first in every event); PRECISION, the engine's float32
+#: clipping (:mod:`.precision`), casts the per-sample gradients before anyone reads them
+PRECISION, DOCTOR, PIPELINE, CANARIES, CONTROLLER = 50, 100, 200, 300, 400
 
 ATTR = "_opacus_spectral_attachment"
 #: the optimizer method each lazily patched event wraps

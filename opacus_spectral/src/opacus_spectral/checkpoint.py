@@ -16,7 +16,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_checkpoint_file", "optimizer_step_count", "verify_accountant_history"]
+__all__ = [
+    "COUNT_KEY",
+    "load_checkpoint_file",
+    "optimizer_step_count",
+    "read_engine_count",
+    "verify_accountant_history",
+]
+
+#: the key of the engine's own step count in a checkpoint (``PrivacyEngine.save_checkpoint``)
+COUNT_KEY = "opacus_spectral_accounting"
+_COUNT_FIELDS = ("dp_steps", "charged_steps", "history_steps")
 
 
 def load_checkpoint_file(path: Any, *, trusted: bool = False, **torch_load_kwargs: Any) -> dict[str, Any]:
@@ -44,6 +54,7 @@ def verify_accountant_history(
     steps: int | None = None,
     min_steps: int = 0,
     where: str = "checkpoint",
+    sigma_divisors: bool = False,
 ) -> int:
     """Refuse an accountant history ``[(σ, q, n), ...]`` (as Opacus' RDP / PRV / GDP accountants keep it) that
     does not agree with the run it is loaded into; returns its step count.
@@ -59,7 +70,7 @@ def verify_accountant_history(
     total = 0
     for i, entry in enumerate(history):
         sigma, q, n = _entry(entry, i, where)
-        if noise_multiplier is not None and not math.isclose(sigma, noise_multiplier, rel_tol=1e-9, abs_tol=1e-12):
+        if noise_multiplier is not None and not _same_sigma(sigma, noise_multiplier, sigma_divisors):
             raise ValueError(
                 f"{where}: accountant history entry {i} records noise_multiplier {sigma!r}, but the optimizer it is "
                 f"loaded into uses {noise_multiplier!r}: refusing a history that would misreport epsilon"
@@ -94,6 +105,35 @@ def _entry(entry: Any, i: int, where: str) -> tuple[float, float, int]:
     if isinstance(n, bool) or n < 1 or not math.isfinite(sigma) or sigma < 0 or not (0 < q <= 1):
         raise bad
     return float(sigma), float(q), n
+
+
+def _same_sigma(sigma: float, noise_multiplier: float, divisors: bool) -> bool:
+    if divisors and sigma > 0 and noise_multiplier > 0:
+        return _whole_multiple(noise_multiplier, sigma)
+    return math.isclose(sigma, noise_multiplier, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def read_engine_count(block: Any, *, where: str) -> dict[str, Any]:
+    """The engine's step count saved beside a checkpoint's accountant history (:data:`COUNT_KEY`), validated:
+    ``dp_steps`` (noisy DP steps), ``charged_steps`` (steps its accountant hooks added to the history),
+    ``history_steps`` (the history's step count when saved) and ``sampling`` (``"poisson"`` or ``"shuffle"``)."""
+    if block is None:
+        raise ValueError(
+            f"{where}: the file holds no step count of the engine that saved it ({COUNT_KEY}): it was not written "
+            "by opacus_spectral's PrivacyEngine.save_checkpoint (e.g. by opacus.PrivacyEngine), or the count was "
+            "removed, so its accountant history cannot be cross-checked: refusing a history that could under-report "
+            "epsilon"
+        )
+    ok = isinstance(block, dict) and set(block) == {*_COUNT_FIELDS, "sampling"}
+    ok = ok and all(type(block[k]) is int and block[k] >= 0 for k in _COUNT_FIELDS)
+    if not ok or block["sampling"] not in ("poisson", "shuffle"):
+        raise ValueError(f"{where}: {COUNT_KEY} is malformed (expected {', '.join(_COUNT_FIELDS)} >= 0 and sampling)")
+    if block["charged_steps"] > block["history_steps"]:
+        raise ValueError(
+            f"{where}: the engine charged {block['charged_steps']} steps but the history counted "
+            f"{block['history_steps']} when saved: refusing an edited count"
+        )
+    return block
 
 
 def _whole_multiple(q: float, sample_rate: float) -> bool:

@@ -41,6 +41,7 @@ from opacus.grad_sample import GradSampleHooksFastGradientClipping, GradSampleMo
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from .accounting import charge_log, expected_charge
 from .advice import external_stacklevel
 from .attachment import (
     AFTER_ACCOUNTANT,
@@ -136,8 +137,8 @@ class Doctor:
         self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
         self._first_step_pending = True
         self._removed = False
-        self._before: int | None = None  # steps the accountant had counted before this step's step_hook
-        self._counted: int | None = None  # steps the accountant counted in that step_hook
+        self._before: tuple[int, int] | None = None  # steps counted and engine hook calls before this step_hook
+        self._counted: tuple[int, int] | None = None  # steps the accountant counted in that step_hook, and expected
         self._snapshot: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None
         self.dp_steps = 0  #: DP steps (noise added) seen since installation
         self._rows: int | None = 0  # per-sample rows of the physical batches since the last DP step
@@ -292,12 +293,17 @@ class Doctor:
         self._rows = None if rows is None or self._rows is None else self._rows + rows
 
     def _before_accountant(self, opt: DPOptimizer) -> None:
-        self._before = accounted_steps(self.accountant) if self.accountant is not None else None
+        acc = self.accountant
+        self._before = None if acc is None else (accounted_steps(acc), charge_log(acc).calls)
 
     def _after_accountant(self, opt: DPOptimizer) -> None:
         """A DP step (noise added, the accountant's hook ran): the checks made once per DP step."""
         before, self._before = self._before, None
-        self._counted = None if before is None else accounted_steps(self.accountant) - before
+        if before is None:
+            self._counted = None
+        else:  # what the accountant added, and what the engine's hook says it charged (1 unless shuffled sampling)
+            added = accounted_steps(self.accountant) - before[0]
+            self._counted = (added, expected_charge(before[1], charge_log(self.accountant)))
         self.dp_steps += 1
         rows, self._rows = self._rows, 0
         findings = self._batches.on_dp_step(rows) if self._batches is not None else []
@@ -365,12 +371,14 @@ class Doctor:
                 "WITHOUT noise (e.g. the optimizer was built before get_peft_model). Fix: step through the "
                 f"DPOptimizer make_private returned; order {ORDER}.",
             )
-        elif counted is not None and counted != 1:
+        elif counted is not None and counted[0] != counted[1]:
+            added, expected = counted
+            charged = "" if expected == 1 else f" (the engine's accounting charged {expected})"
             self._report(
                 "accounting",
-                f"the accountant counted {counted} steps for one noisy step: epsilon is "
-                f"{'under' if counted < 1 else 'over'}-reported. Cause: the accountant's step_hook was removed from "
-                "the chain, or a second accountant hook was added. Fix: call make_private once per optimizer and "
+                f"the accountant counted {added} steps for one noisy step{charged}: epsilon is "
+                f"{'under' if added < expected else 'over'}-reported. Cause: the accountant's step_hook was removed "
+                "from the chain, or a second accountant hook was added. Fix: call make_private once per optimizer and "
                 "chain to the previous step_hook if you set your own.",
             )
         dp_step = noised

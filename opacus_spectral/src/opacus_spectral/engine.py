@@ -27,14 +27,37 @@ from opacus.grad_sample.utils import get_gsm_class
 from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
 
-from .checkpoint import load_checkpoint_file, optimizer_step_count, verify_accountant_history
+from .accounting import EngineCount, bounded_epsilon, check_delta, check_gdp_history, refuse_gdp, warn_approximate
+from .advice import external_stacklevel
+from .batch_check import BatchCheck, BatchCheckSetting, install_batch_check
+from .checkpoint import (
+    COUNT_KEY,
+    load_checkpoint_file,
+    optimizer_step_count,
+    read_engine_count,
+    verify_accountant_history,
+)
 from .copies import refuse_copies
-from .doctor import Doctor, DoctorSetting, install_doctor
+from .doctor import Doctor, DoctorSetting, accounted_steps, install_doctor
 from .grad_sample import check_per_sample_support, safe_class
 from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+from .noise_multiplier import epsilon_from_history
 from .noise_source import NoiseSource, parameter_device, warn_reproducible
+from .parameters import unwrap
 from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
+from .precision import PrecisionGuard, install_precision_guard
+from .privacy_record import compose_privacy_record, noise_multiplier_after, prior_history
 from .registry import DenoiserSpec, Registry
+from .shuffled_sampling import (
+    UNAMPLIFIED,
+    PassTracker,
+    ShuffledSamplingWarning,
+    counted_hook,
+    refuse_unbounded,
+    sampler_kind,
+    shuffled_hook,
+    warn_ignored_sampler,
+)
 
 CHECKPOINT_KEY = "opacus_spectral_post_hooks"
 NON_PRIVATE = (
@@ -60,6 +83,16 @@ def _check_max_grad_norm(value: Any) -> None:
             "clips every per-sample gradient to zero (nothing trains while epsilon is spent), inf bounds no "
             "sensitivity (the noise then protects nothing). Pass the clipping bound C, e.g. 1.0"
         )
+
+
+def _unit(kwargs: dict[str, Any]) -> dict[str, bool]:
+    return {"new_privacy_unit": bool(kwargs.get("new_privacy_unit", False))}
+
+
+def _forward_module(module: Any) -> nn.Module:
+    """The module whose forward the user calls: the wrapper ``make_private`` returned, or with ``wrap_model=False``
+    (a hooks object, not a module) the user's model."""
+    return module if isinstance(module, nn.Module) else unwrap(module)
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -95,6 +128,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.post_hooks: PostHookHandle | None = None
         self.doctor: Doctor | None = None  #: the checks installed by the last make_private (docs/engine.md)
         self._doctor_setting: DoctorSetting = True  # make_private_with_epsilon's choice, read by make_private
+        self.batch_check: BatchCheck | None = None  #: the last make_private's batch-independence check (docs/engine.md)
+        self._batch_check_setting: BatchCheckSetting = "raise"  # make_private_with_epsilon's choice
+        self.precision_guard: PrecisionGuard | None = None  #: float32 clipping under autocast (docs/engine.md)
 
     # Opacus builds the GradSampleModule here; swap in the alternation-safe classes.
     def _prepare_model(
@@ -153,7 +189,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
         on_nonfinite_grad: OnNonFinite = "raise",
         allow_non_private: bool = False,
+        new_privacy_unit: bool = False,
         doctor: DoctorSetting | None = None,
+        batch_check: BatchCheckSetting | None = None,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private`` plus denoisers.
@@ -169,8 +207,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 ``"ignore"`` (Opacus' behaviour). Needs ``post_hooks`` (``[]`` is enough).
             allow_non_private: ``noise_multiplier=0`` (clipping without noise: no differential privacy) warns a
                 :class:`NonPrivateWarning` unless this is ``True``; with denoisers in ``post_hooks`` it is refused.
+            new_privacy_unit: a model that carries a privacy record (:mod:`~opacus_spectral.privacy_record`) is
+                composed with by default (ε continues); ``True`` states that the new data are a different privacy
+                unit, and the accountant starts from 0.
             doctor: checks for silent failures (:mod:`~opacus_spectral.doctor`): ``True``/``"warn"`` (default),
                 ``"raise"``, or ``False`` (off). The installed checks are ``engine.doctor``.
+            batch_check: at the first training forward, check that no record's outputs depend on the other records
+                of its batch (:mod:`~opacus_spectral.batch_check`): ``"raise"`` (default), ``"warn"`` or ``False``.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
@@ -182,6 +225,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not self.secure_mode and kwargs.get("noise_generator") is None and kwargs.get("optimizer") is not None:
             kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
             self._generators.append((kwargs["noise_generator"], "noise", 0))
+        compose_privacy_record(self, new_privacy_unit=new_privacy_unit, **kwargs)  # ε continues (.privacy_record)
         out = super().make_private(*args, **kwargs)
         refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
         self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
@@ -189,6 +233,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self.doctor.remove()
         setting = self._doctor_setting if doctor is None else doctor
         self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting, data_loader=out[-1])
+        self._install_guards(out, self._batch_check_setting if batch_check is None else batch_check, kwargs)
         if post_hooks is not None:
             # installed after super() returns: the accountant's step hook is attached last inside make_private
             # (docs/upstream.md §1.3)
@@ -213,17 +258,21 @@ class PrivacyEngine(opacus.PrivacyEngine):
         max_output_ratio: float | None = DEFAULT_MAX_OUTPUT_RATIO,
         on_nonfinite_grad: OnNonFinite = "raise",
         doctor: DoctorSetting = True,
+        batch_check: BatchCheckSetting = "raise",
         **kwargs: Any,
     ) -> tuple[Any, ...]:
-        """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks`` and ``doctor`` (kept out of Opacus'
-        kwargs, which also reach ``get_noise_multiplier``)."""
+        """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks``, ``doctor`` and ``batch_check`` (kept
+        out of Opacus' kwargs, which also reach ``get_noise_multiplier``). σ comes from
+        :func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` (Opacus' search, bounded; refuses ``gdp``,
+        a ``target_delta`` ≥ 1/N and a target outside its range); without Poisson sampling it is calibrated to the
+        un-amplified bound (one Gaussian mechanism per epoch, :mod:`.shuffled_sampling`)."""
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
-        self._doctor_setting = doctor
+        self._doctor_setting, self._batch_check_setting = doctor, batch_check
         try:
-            out = super().make_private_with_epsilon(*args, **kwargs)
+            out = self._private_with_epsilon(*args, **kwargs)
         finally:
-            self._doctor_setting = True
+            self._doctor_setting, self._batch_check_setting = True, "raise"
         if post_hooks is not None:
             self.post_hooks = install_post_hooks(
                 out[1],
@@ -237,6 +286,43 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         return out
 
+    def _private_with_epsilon(
+        self, *args: Any, target_epsilon: float, target_delta: float, epochs: float, **kwargs: Any
+    ) -> tuple[Any, ...]:
+        """Opacus' ``make_private_with_epsilon`` with the σ of :func:`~.privacy_record.noise_multiplier_after`: the
+        target holds for everything the accountant will have counted — its own earlier steps and the model's privacy
+        record (:func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` when there are none)."""
+        refuse_gdp(self.accountant.mechanism(), "make_private_with_epsilon")
+        loader = kwargs["data_loader"]
+        check_delta(target_delta, len(loader.dataset), "target_delta")
+        poisson = kwargs.get("poisson_sampling", True) or sampler_kind(loader) == "poisson"
+        sample_rate = 1 / len(loader) if poisson else 1.0  # shuffled: one Gaussian mechanism per epoch
+        steps = int(epochs / sample_rate) if poisson else math.ceil(epochs)
+        # what the accountant will already hold: its own steps, then the model's privacy record (.privacy_record)
+        prior = [*self.accountant.history, *prior_history(self, kwargs.get("module"), **_unit(kwargs))]
+        sigma = noise_multiplier_after(
+            prior,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=self.accountant.mechanism(),
+            epsilon_tolerance=kwargs.pop("epsilon_tolerance", 0.01),
+        )
+        return self.make_private(*args, noise_multiplier=sigma, **kwargs)
+
+    def _install_guards(self, out: tuple[Any, ...], batch_check: BatchCheckSetting, kwargs: dict[str, Any]) -> None:
+        """DESIGN invariant 8 on the user's set-up: clipping in float32 under autocast (:mod:`.precision`) and the
+        batch-independence check (:mod:`.batch_check`); the previous make_private's are removed."""
+        for old in (self.precision_guard, self.batch_check):
+            if old is not None:
+                old.remove()
+        mode = kwargs.get("grad_sample_mode", "hooks")
+        self.precision_guard = install_precision_guard(out[1], _forward_module(out[0]), mode=mode)
+        self.batch_check = install_batch_check(
+            out[0], out[-1], batch_check, batch_first=kwargs.get("batch_first", True)
+        )
+
     def sampler_generator(self, *, distributed: bool = False) -> torch.Generator | None:
         """The generator for a Poisson sampler this engine builds: Opacus' ``secure_rng`` in ``secure_mode``,
         otherwise a new one from :attr:`noise_source` (per DDP rank when ``distributed``)."""
@@ -248,6 +334,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return generator
 
     # Opacus samples with the DataLoader's generator, else the global RNG: give it ours unless the caller chose one.
+    # Whatever the loader, the accountant's hook charges what this sampling spends (.shuffled_sampling).
     def _prepare_data_loader(
         self,
         data_loader: Any,
@@ -257,23 +344,110 @@ class PrivacyEngine(opacus.PrivacyEngine):
         batch_first: bool = True,
         rand_on_empty: bool = False,
     ) -> Any:
+        sampling = self._sampling_of(data_loader, poisson_sampling=poisson_sampling, distributed=distributed)
         if self.secure_mode or not poisson_sampling or data_loader.generator is not None:
-            return super()._prepare_data_loader(
+            out = super()._prepare_data_loader(
                 data_loader,
                 poisson_sampling=poisson_sampling,
                 distributed=distributed,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
-        # poisson_sampling=False outside secure_mode only records the dataset (Opacus' per-dataset warning)
-        super()._prepare_data_loader(data_loader, poisson_sampling=False, distributed=distributed)
-        return DPDataLoader.from_data_loader(
-            data_loader,
-            generator=self.sampler_generator(distributed=distributed),
-            distributed=distributed,
-            batch_first=batch_first,
-            rand_on_empty=rand_on_empty,
-        )
+        else:
+            # poisson_sampling=False outside secure_mode only records the dataset (Opacus' per-dataset warning)
+            super()._prepare_data_loader(data_loader, poisson_sampling=False, distributed=distributed)
+            out = DPDataLoader.from_data_loader(
+                data_loader,
+                generator=self.sampler_generator(distributed=distributed),
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        self._hook_accountant(out, sampling)
+        return out
+
+    def _sampling_of(self, data_loader: Any, *, poisson_sampling: bool, distributed: bool) -> str:
+        """``"poisson"`` or ``"shuffle"`` (the un-amplified bound); refuses a loader without a computable bound and
+        warns where ε is not what the user may expect (gdp, an ignored sampler, shuffled sampling)."""
+        gdp = self.accountant.mechanism() == "gdp"
+        if gdp:
+            warn_approximate("PrivacyEngine(accountant='gdp')")
+        kind = sampler_kind(data_loader)
+        if poisson_sampling or kind == "poisson":
+            if poisson_sampling:
+                warn_ignored_sampler(kind, data_loader)
+            return "poisson"
+        if gdp or distributed:
+            why = (
+                "the gdp accountant cannot hold (it keeps one (sigma, q)); use accountant='prv' or 'rdp'"
+                if gdp
+                else "cannot be bounded across DDP ranks (DistributedSampler pads shards by repeating records); use "
+                "poisson_sampling=True"
+            )
+            raise ValueError(
+                "make_private(poisson_sampling=False) is accounted by the un-amplified bound (one Gaussian mechanism "
+                f"per pass over the data), which {why}"
+            )
+        refuse_unbounded(kind, data_loader)
+        warnings.warn(UNAMPLIFIED, ShuffledSamplingWarning, stacklevel=external_stacklevel())
+        return "shuffle"
+
+    def _hook_accountant(self, data_loader: Any, sampling: str) -> None:
+        """The accountant's step hook for the ``make_private`` under way (it asks ``get_optimizer_hook_fn`` once,
+        right after this): Opacus' Poisson hook plus the engine's step count, or the un-amplified bound's."""
+        accountant, state = self.accountant, self._accounting()
+        state.sampling = sampling
+        tracker = None
+        if sampling == "shuffle":
+            tracker = PassTracker(data_loader.batch_sampler.sampler, prefetching=data_loader.num_workers > 0)
+        accountant.__dict__.pop("get_optimizer_hook_fn", None)
+        opacus_factory = accountant.get_optimizer_hook_fn
+
+        def factory(sample_rate: float) -> Any:
+            accountant.__dict__.pop("get_optimizer_hook_fn", None)  # one make_private, one hook
+            if tracker is not None:
+                return shuffled_hook(accountant, tracker, state.count)
+            return counted_hook(accountant, opacus_factory(sample_rate=sample_rate), state.count)
+
+        accountant.get_optimizer_hook_fn = factory
+
+    @property
+    def dp_steps(self) -> int:
+        """The noisy DP steps this engine's optimizers took, across its ``make_private`` calls (a resumed checkpoint's
+        included): under Poisson sampling the steps its accountant counted, under shuffled sampling more."""
+        return self._accounting().dp_steps
+
+    def _accounting(self) -> EngineCount:
+        """This engine's own count of the DP steps its optimizers took and the steps they charged (checkpoints)."""
+        state = self.__dict__.get("_accounting_count")
+        if state is None:
+            state = self.__dict__["_accounting_count"] = EngineCount()
+        return state
+
+    def _dataset_size(self) -> int | None:
+        """N, the records the loader of the last ``make_private`` samples from (``None`` before one)."""
+        dataset = getattr(self, "dataset", None)
+        return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+
+    def get_epsilon(self, delta: float) -> float:  # type: ignore[override]
+        """ε spent so far at ``delta`` — Opacus' ``get_epsilon``, as an upper bound or an error
+        (:func:`~opacus_spectral.accounting.bounded_epsilon`): ``delta`` must be below 1/N once ``make_private``
+        knows the dataset; an empty history is 0.0, a step without noise ∞; a negative numerical ε is 0.0; the gdp
+        accountant (an approximation) warns :class:`~opacus_spectral.accounting.ApproximateEpsilonWarning`."""
+        check_delta(delta, self._dataset_size(), "delta")
+        mechanism = self.accountant.mechanism()
+        history = [(float(s), float(q), int(n)) for s, q, n in self.accountant.history]
+        finite = [e for e in history if e[0] != math.inf]  # infinite noise releases nothing
+        if not finite:
+            return 0.0
+        if any(s == 0 for s, _, _ in finite):
+            return math.inf
+        if mechanism == "gdp":
+            check_gdp_history(finite)
+            warn_approximate("PrivacyEngine.get_epsilon")
+        if len(finite) < len(history):
+            return epsilon_from_history(finite, delta, mechanism)
+        return bounded_epsilon(finite, delta, mechanism, lambda: super(PrivacyEngine, self).get_epsilon(delta))
 
     @staticmethod
     def _check_noise(noise_multiplier: Any, allow_non_private: bool, post_hooks: Sequence[Any] | None) -> None:
@@ -310,7 +484,24 @@ class PrivacyEngine(opacus.PrivacyEngine):
         checkpoint_dict = dict(checkpoint_dict or {})
         if self.post_hooks is not None:
             checkpoint_dict[CHECKPOINT_KEY] = self.post_hooks.state_dict()
+        checkpoint_dict[COUNT_KEY] = self._count_record()
         super().save_checkpoint(checkpoint_dict=checkpoint_dict, **kwargs)
+
+    def _count_record(self) -> dict[str, Any]:
+        """The engine's step count saved beside the accountant history (``load_checkpoint`` cross-checks it)."""
+        state, steps = self._accounting(), accounted_steps(self.accountant)
+        if steps < state.charged:
+            raise ValueError(
+                f"save_checkpoint: the accountant's history counts {steps} steps, but this engine's accountant hooks "
+                f"charged {state.charged}: the history was emptied or replaced since, and saving it would restart "
+                "epsilon. Restore the full history before saving."
+            )
+        return {
+            "dp_steps": state.dp_steps,
+            "charged_steps": state.charged,
+            "history_steps": steps,
+            "sampling": state.sampling or "poisson",
+        }
 
     def load_checkpoint(  # type: ignore[override]
         self,
@@ -337,8 +528,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Before anything is loaded, the accountant's history must agree with the run
         (:func:`~opacus_spectral.checkpoint.verify_accountant_history`): σ with ``optimizer.noise_multiplier`` (or
         ``noise_multiplier=``; not checked with a ``noise_scheduler``), q with this engine's last ``make_private``
-        (or ``sample_rate=``), and its step count with the optimizer state's and the pipeline's step counters.
-        Otherwise ``ValueError`` naming the mismatch, and nothing is loaded.
+        (or ``sample_rate=``), and its step count with the engine's own count saved beside it (every optimizer,
+        SGD included; a file without it is refused) and with the optimizer state's and the pipeline's step counters.
+        Otherwise ``ValueError`` naming the mismatch, and nothing is loaded. These checks catch accidental and naive
+        edits; a forger who rewrites the history and every count consistently is not detected.
         """
         checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))
         steps = self._verify_dp_state(
@@ -348,6 +541,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self.noise_source.reseed_for_resume(generator, purpose, steps, rank)
         module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
         self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
+        count, state = checkpoint.pop(COUNT_KEY), self._accounting()
+        state.dp_steps, state.charged, state.sampling = count["dp_steps"], count["charged_steps"], count["sampling"]
         optimizer_state = checkpoint.pop("optimizer_state_dict", {})
         if optimizer is not None and optimizer_state:
             optimizer.load_state_dict(optimizer_state)
@@ -389,8 +584,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
         accountant = checkpoint.get("privacy_accountant_state_dict") if isinstance(checkpoint, dict) else None
         if not isinstance(accountant, dict) or "history" not in accountant:
             raise ValueError("load_checkpoint: the file holds no accountant state (privacy_accountant_state_dict)")
+        where = f"load_checkpoint({where})"
+        count = read_engine_count(checkpoint.get(COUNT_KEY), where=where)
+        shuffle = count["sampling"] == "shuffle"
+        current = self._accounting().sampling
+        if current is not None and current != count["sampling"]:
+            raise ValueError(
+                f"{where}: the checkpoint's steps were charged for {count['sampling']} sampling, but this engine's "
+                f"last make_private samples by {current}: load it into a run sampled the same way"
+            )
         multiplier = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
-        q = sample_rate if sample_rate is not None else self._sample_rate
+        q = 1.0 if shuffle else sample_rate if sample_rate is not None else self._sample_rate
         if (multiplier is None and noise_scheduler is None) or q is None:
             raise ValueError(
                 "load_checkpoint cannot check the checkpoint's privacy accounting without the run's noise multiplier "
@@ -398,13 +602,22 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "noise_multiplier= and sample_rate= (the values the run was trained with)"
             )
         pipeline = checkpoint.get(CHECKPOINT_KEY)
-        counters = [optimizer_step_count(checkpoint.get("optimizer_state_dict", {}))]
-        if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
-            counters.append(pipeline["step"])
-        return verify_accountant_history(
+        counters = [count["charged_steps"]]
+        if not shuffle:  # the optimizer's and the pipeline's counters count DP steps, one history step each
+            counters.append(optimizer_step_count(checkpoint.get("optimizer_state_dict", {})))
+            if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
+                counters.append(pipeline["step"])
+        steps = verify_accountant_history(
             accountant["history"],
             noise_multiplier=None if noise_scheduler is not None else multiplier,
             sample_rate=q,
             min_steps=max(counters),
-            where=f"load_checkpoint({where})",
+            where=where,
+            sigma_divisors=shuffle,
         )
+        if steps != count["history_steps"]:
+            raise ValueError(
+                f"{where}: the accountant history counts {steps} DP steps, but it counted {count['history_steps']} "
+                "when the engine saved it: refusing an edited history"
+            )
+        return steps

@@ -11,11 +11,13 @@ What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :
 * ``create_optimizer``: the Trainer's optimizer goes through ``opacus_spectral.PrivacyEngine.make_private``
   (``wrap_model=False``: the model stays the user's ``PeftModel``), the noise multiplier from
   :func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` for the run's ``max_steps`` and the same
-  accountant; a resumed run's accountant and denoiser state are restored;
+  accountant (with a privacy record on the model, :mod:`.privacy_record`: for that history and this run together);
+  a resumed run's accountant and denoiser state are restored;
+* ``_save``: the privacy record beside the adapter (``privacy_record.json``);
 * ``_wrap_model``: across processes (``torchrun``) the model goes into Opacus' ``DPDDP``, never torch DDP, the logical
   batch spans the ranks and each rank samples its own share of the records (:mod:`.trainer_distributed`);
 * ``training_step``: the per-example loss of each micro-batch (:mod:`.trainer_loss`: causal LM, token or sequence
-  classification; per-sample gradients cast to float32 under bf16, :mod:`.trainer_precision`), then
+  classification; per-sample gradients clipped in float32 under bf16, :mod:`.precision`), then
   BatchMemoryManager's virtual step (clip and accumulate, no noise) for all but the last micro-batch; the
   Trainer's own ``optimizer.step()`` on the last one adds the noise once per logical batch;
 * ``prediction_step`` / ``evaluation_loop``: a causal LM's ``eval_loss`` is the per-token mean next-token
@@ -49,16 +51,35 @@ from .denoiser import denoiser_name
 from .doctor import DoctorSetting, accounted_steps
 from .engine import PrivacyEngine
 from .grad_sample import set_trainable
-from .noise_multiplier import noise_multiplier_for
 from .noise_source import NoiseSource
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
+from .privacy_record import STATE_KEY as RECORD_STATE_KEY
+from .privacy_record import (
+    composed_steps,
+    noise_multiplier_after,
+    privacy_record_of,
+    restore_record,
+    resume_state,
+    save_privacy_record,
+    set_run_delta,
+    trainer_prior,
+)
 from .registry import DenoiserSpec
+from .trainer_batch_check import TrainerBatchCheck, with_positions
 from .trainer_budget import DPControl, budget_steps, spends_infinite_epsilon
 from .trainer_checks import check_run_length, check_supported, check_train_dataset
-from .trainer_distributed import LockstepPoissonSampler, check_evaluation, is_distributed, rank_wrapper
+from .trainer_distributed import (
+    LockstepPoissonSampler,
+    check_evaluation,
+    check_ranks_agree,
+    is_distributed,
+    rank_wrapper,
+    run_setup,
+)
 from .trainer_logs import drop_unlisted
 from .trainer_loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
-from .trainer_precision import check_trainable_dtypes, upcast_grad_samples
+from .trainer_precision import check_trainable_dtypes
+from .trainer_progress import install_progress
 from .trainer_state import (
     DP_STATE_FILE,
     check_parameters,
@@ -84,7 +105,9 @@ class DPTrainer(Trainer):
         max_grad_norm: per-example clipping bound (``TrainingArguments.max_grad_norm`` is not used).
         post_hooks: denoisers run on the noisy gradient each logical step (``make_private(post_hooks=...)``).
         grad_sample_mode: ``"hooks"`` (default), ``"functorch"`` or ``"ghost"``.
-        accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"``; all assume the Poisson sampling used here.
+        accountant: ``"prv"`` (default) or ``"rdp"``: upper bounds for the Poisson sampling used here. ``"gdp"``
+            (Opacus' CLT approximation, not a bound) is refused with ``target_epsilon`` and, with a given noise
+            multiplier, its ε is logged with ``epsilon_approximate: True``.
         secure_mode: Opacus' cryptographically secure RNG (torchcsprng) for sampling and noise.
         noise_seed: ``None`` (default): noise and Poisson sample from OS-entropy generators, whatever
             ``TrainingArguments.seed``. An int: reproducible runs that are NOT private against whoever knows the
@@ -98,7 +121,13 @@ class DPTrainer(Trainer):
         alternation: attach peft_lalora's alternation controller (with the active LALoRA adapter's schedule) when
             the model carries a LALoRA adapter and no controller is attached yet.
         release_nonprivate_stats: also log the training loss, token and FLOP counts and timing (NOT private).
+        batch_check: before the first DP step, check that no record's gradient depends on the other records of its
+            batch (:mod:`.trainer_batch_check`; it also decides whether left-padded batches get ``position_ids``):
+            ``"raise"`` (default), ``"warn"`` or ``False``.
         make_private_kwargs: further ``make_private`` arguments (``on_denoiser_error``, ``on_nonfinite_grad``, ...).
+        new_privacy_unit: a model that carries a privacy record (DP-trained before, :mod:`.privacy_record`) is
+            composed with: ε continues from it, and ``target_epsilon`` bounds the total. ``True`` states that the
+            training data are a different privacy unit than the earlier runs': ε starts from 0.
     """
 
     def __init__(
@@ -119,6 +148,8 @@ class DPTrainer(Trainer):
         alternation: bool = True,
         release_nonprivate_stats: bool = False,
         make_private_kwargs: dict[str, Any] | None = None,
+        new_privacy_unit: bool = False,
+        batch_check: str | bool = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -128,6 +159,12 @@ class DPTrainer(Trainer):
         self.criterion, self.doctor_setting, self.alternation = criterion, doctor, alternation
         self.release_nonprivate_stats = release_nonprivate_stats
         self.make_private_kwargs = dict(make_private_kwargs or {})
+        self.new_privacy_unit = new_privacy_unit
+        self.prior_steps = 0  #: steps of the model's privacy record this run composed with (.privacy_record)
+        self.batch_check: str | bool = "raise" if batch_check is True else batch_check
+        self.position_ids_from_mask = False  #: left-padded batches get position_ids (set by the batch check)
+        self.batch_check_result: TrainerBatchCheck | None = None  #: the check's outcome and cost, once it ran
+        self._check_data: tuple[Any, Any] | None = None  #: the training set and collator the check reads
         self.task = resolve_task(self.model, task)
         check_supported(self)
         self.noise_seed = noise_seed
@@ -148,6 +185,7 @@ class DPTrainer(Trainer):
         self._eps_cache: tuple[int, float] = (-1, 0.0)
         self._eval_sums: list[float] = [0.0, 0]  #: next-token loss sum and target count of the running evaluation
         self.add_callback(DPControl(self))
+        install_progress(self)  # no per-step timing in the progress bar (.trainer_progress)
 
     # -- data ---------------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -160,13 +198,16 @@ class DPTrainer(Trainer):
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
         check_train_dataset(dataset)
+        self._check_data = (dataset, collate)
         k, ranks = self.args.gradient_accumulation_steps, max(1, self.args.world_size)
         logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate)
         generator = self.privacy_engine.sampler_generator(distributed=ranks > 1)
         poisson = DPDataLoader.from_data_loader(logical, generator=generator, distributed=ranks > 1)
         self._logical_loader, self.sample_rate = logical, poisson.sample_rate
         self._poisson_sampler = poisson.batch_sampler  # what the doctor pairs DP steps with (create_optimizer)
-        if ranks > 1:  # this rank's shard at rate q, an empty batch included (.trainer_distributed)
+        install_progress(self)  # a timed bar added since construction (.trainer_progress)
+        if ranks > 1:  # the same data, order and set-up on every rank (checked among them); this rank's shard at
+            check_ranks_agree(run_setup(self, dataset))  # rate q, an empty batch included (.trainer_distributed)
             self._poisson_sampler = LockstepPoissonSampler(
                 total_size=len(dataset), sample_rate=self.sample_rate, generator=generator
             )
@@ -194,7 +235,9 @@ class DPTrainer(Trainer):
         noise_multiplier = self.noise_multiplier
         if noise_multiplier is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
-            noise_multiplier = noise_multiplier_for(
+            prior = trainer_prior(self.privacy_engine, self.model, self.new_privacy_unit, self._resume)
+            noise_multiplier = noise_multiplier_after(
+                prior,
                 target_epsilon=self.target_epsilon,
                 target_delta=self.target_delta,
                 sample_rate=self.sample_rate,
@@ -218,6 +261,8 @@ class DPTrainer(Trainer):
             wrap_model=False,
             post_hooks=self.post_hooks_spec,
             doctor=self.doctor_setting,
+            new_privacy_unit=self.new_privacy_unit,
+            batch_check=False,  # the Trainer checks per-example gradients itself (training_step)
             **extra,
             **self.make_private_kwargs,
         )
@@ -228,16 +273,19 @@ class DPTrainer(Trainer):
         if out[-1].sample_rate != self.sample_rate:  # the loader we train on and the accountant must agree
             raise RuntimeError(f"sample rates differ: loader {self.sample_rate}, accountant {out[-1].sample_rate}")
         self.noise_multiplier = self._dp.noise_multiplier
+        set_run_delta(self.privacy_engine, self.target_delta)
         if self._resume is not None:
             self._restore(self._resume)
-        self.budget_steps = budget_steps(
+        self.prior_steps = composed_steps(self.privacy_engine)  # the accountant's history starts with them
+        total = budget_steps(
             self.privacy_engine.accountant,
-            max_steps=self.state.max_steps,
+            max_steps=self.state.max_steps + self.prior_steps,
             target_epsilon=self.target_epsilon,
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sample_rate,
             delta=self.target_delta,
         )
+        self.budget_steps = None if total is None else total - self.prior_steps
         self.optimizer = self._dp
         return self._dp
 
@@ -274,6 +322,8 @@ class DPTrainer(Trainer):
         dp = self._dp
         if dp is None:
             raise RuntimeError("DPTrainer.training_step runs inside train()")
+        if self.batch_check_result is None and self.batch_check:
+            self._check_batches()
         if self._clear_pending:
             self._clear_per_sample_state()
         last = bool(self.accelerator.sync_gradients)
@@ -286,9 +336,7 @@ class DPTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self._dp_loss(model, inputs)
-        loss.backward()
-        if not self._ghost:  # clip in float32 under bf16 autocast (:mod:`.trainer_precision`)
-            upcast_grad_samples(dp.params)
+        loss.backward()  # the engine clips in float32 under bf16 autocast (:mod:`.precision`)
         if not last:  # BatchMemoryManager's virtual step: clip and accumulate, no noise, no update
             dp.signal_skip_step(do_skip=True)
             dp.step()
@@ -300,13 +348,13 @@ class DPTrainer(Trainer):
         labels = inputs.get("labels")
         task = self.task or task_of_batch(labels)
         if task == "sequence_classification" and not self._ghost:
-            return self.compute_loss(model, inputs)  # the model's mean over the examples
+            return self.compute_loss(model, self._model_inputs(inputs))  # the model's mean over the examples
         if labels is None:
             raise ValueError(
                 f"task {task!r} needs 'labels' in the batch (the loss is computed per example); for a "
                 "causal LM use DataCollatorForLanguageModeling(tokenizer, mlm=False)"
             )
-        logits = _logits(model(**{k: v for k, v in inputs.items() if k != "labels"}))  # never labels= (trainer_loss)
+        logits = _logits(model(**self._model_inputs(inputs, labels=False)))  # never labels= (trainer_loss)
         if task == "sequence_classification":
             if logits.dim() != 2:
                 raise ValueError(
@@ -316,6 +364,19 @@ class DPTrainer(Trainer):
             return self._dp_criterion(logits, labels)
         losses = example_losses(task, logits, labels, inputs.get("attention_mask"))
         return opacus_loss(losses, loss_reduction=self._dp.loss_reduction, ghost_criterion=self._dp_criterion)
+
+    def _model_inputs(self, inputs: dict[str, Any], *, labels: bool = True) -> dict[str, Any]:
+        """What the model is called with: without ``labels`` when asked, with ``position_ids`` from the mask on a
+        left-padded batch once the batch check found the model needs them (:mod:`.trainer_batch_check`)."""
+        inputs = inputs if labels else {k: v for k, v in inputs.items() if k != "labels"}
+        return with_positions(inputs) if self.position_ids_from_mask else inputs
+
+    def _check_batches(self) -> None:
+        """DESIGN invariant 8 on this Trainer's model, data and collator, once, before the first DP step."""
+        if self._check_data is None:
+            return
+        self.batch_check_result = TrainerBatchCheck(self, *self._check_data)
+        self.position_ids_from_mask = self.batch_check_result.run()
 
     def _empty_contribution(self) -> None:
         """Zero-example per-sample state, so that Opacus adds the noise of an empty logical batch (as it does)."""
@@ -355,6 +416,8 @@ class DPTrainer(Trainer):
                 )
         if self._dp is not None:
             logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.target_delta)
+            if self.privacy_engine.accountant.mechanism() == "gdp":  # an approximation, not a bound (.accounting)
+                logs["epsilon_approximate"] = True
         super().log(logs, start_time)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -375,7 +438,7 @@ class DPTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
         with torch.no_grad(), self.compute_loss_context_manager():
-            logits = _logits(model(**{k: v for k, v in inputs.items() if k != "labels"}))
+            logits = _logits(model(**self._model_inputs(inputs, labels=False)))
             total, count = next_token_loss_sum(logits, labels, inputs.get("attention_mask"))
         self._eval_sums[0] += float(total)
         self._eval_sums[1] += count
@@ -464,9 +527,16 @@ class DPTrainer(Trainer):
                 self.privacy_engine.post_hooks,
                 self.state.global_step,
                 parameters_digest(self.model, self._dp.original_optimizer),
+                resume_state(self.privacy_engine),
             )
             torch.save(state, os.path.join(out, DP_STATE_FILE))
         super()._save_checkpoint(model, trial)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (adapter, config), and beside it the model's privacy record (``privacy_record.json``)."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save and privacy_record_of(self.model) is not None:
+            save_privacy_record(self.model, output_dir or self.args.output_dir, delta=self.target_delta)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         self._resume = read_checkpoint(resume_from_checkpoint)
@@ -481,6 +551,7 @@ class DPTrainer(Trainer):
         check_resume(evidence, self._dp_config(), global_step=self.state.global_step)
         check_parameters(evidence, parameters_digest(self.model, self._dp.original_optimizer))
         self.privacy_engine.accountant.load_state_dict(evidence.dp["accountant"])
+        restore_record(self.privacy_engine, evidence.dp.get(RECORD_STATE_KEY))
         if evidence.dp["post_hooks"] is not None:
             self.privacy_engine.post_hooks.load_state_dict(evidence.dp["post_hooks"])
 

@@ -69,7 +69,7 @@ class DPControl(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        counted = accounted_steps(t.privacy_engine.accountant)
+        counted = accounted_steps(t.privacy_engine.accountant) - t.prior_steps  # this run's (.privacy_record)
         if counted != state.global_step:
             raise RuntimeError(
                 f"the accountant counted {counted} DP steps but the Trainer took {state.global_step} optimizer steps: "

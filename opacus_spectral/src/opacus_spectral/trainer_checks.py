@@ -5,12 +5,16 @@ the private data without noise."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
+from .accounting import check_delta
 from .trainer_distributed import EVALUATION, unsupported_parallelism
 
 __all__ = ["MODES", "check_run_length", "check_supported", "check_train_dataset", "loss_refusal"]
@@ -37,6 +41,7 @@ def check_supported(t: Any) -> None:
     check_run_length(a.max_steps, a.num_train_epochs)
     if t.train_dataset is not None:
         check_train_dataset(t.train_dataset)
+        check_delta(t.target_delta, len(t.train_dataset), "target_delta")  # δ < 1/N (.accounting)
     if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm > 0):
         raise ValueError(
             f"max_grad_norm (the per-example clipping bound C) must be finite and > 0, got {t.max_grad_norm}: "
@@ -54,6 +59,7 @@ def check_supported(t: Any) -> None:
         "criterion",
         "post_hooks",
         "doctor",
+        "batch_check",
     }
     if taken:
         raise ValueError(f"make_private_kwargs may not set {sorted(taken)}: DPTrainer sets them")
@@ -145,7 +151,63 @@ def loss_refusal(t: Any) -> str | None:
             "only to its default criterion; smooth in your criterion (e.g. nn.CrossEntropyLoss(label_smoothing=.."
             ")) and drop label_smoothing_factor."
         )
+    head = None if t.criterion is not None else _head_ghost_cannot_train(t)
+    if head is not None:
+        return (
+            f"{head} under ghost clipping: its default per-example loss is softmax cross-entropy on the logits, "
+            "not this model's own loss. Use grad_sample_mode='hooks' (the model's own loss, per example), or pass "
+            "criterion= a loss for this head with a 'reduction' attribute whose reduction='none' output is one value "
+            "per example (shape (batch,); nn.BCEWithLogitsLoss gives (batch, labels): average over dim 1)."
+        )
     return None
+
+
+def _head_ghost_cannot_train(t: Any) -> str | None:
+    """The sequence-classification head whose loss is not cross-entropy over classes (Hugging Face's choice from
+    ``config.problem_type``, ``num_labels`` and the labels' dtype), or None."""
+    model = t.model.get_base_model() if hasattr(t.model, "get_base_model") else t.model
+    config = getattr(model, "config", None)
+    problem, num_labels = getattr(config, "problem_type", None), getattr(config, "num_labels", None)
+    if problem == "multi_label_classification":
+        return "a multi-label head (problem_type='multi_label_classification')"
+    if problem == "regression" or (problem is None and num_labels == 1):
+        return "a regression head (problem_type='regression', or num_labels=1)"
+    if problem not in (None, "single_label_classification"):
+        return f"problem_type={problem!r}"
+    if _float_labels(t):
+        return "float labels with problem_type unset (the model's own loss is then multi-label BCE, or MSE)"
+    return None
+
+
+def _float_labels(t: Any) -> bool:
+    """Whether the training set's labels are floats: from a ``datasets.Dataset``'s features, else its first record."""
+    data = t.train_dataset
+    if data is None or not has_length(data) or len(data) == 0:
+        return False
+    names = [*(t.label_names or []), "labels", "label", "label_ids"]
+    features = getattr(data, "features", None)
+    if isinstance(features, Mapping):
+        return any(_is_float(_feature_dtype(features[n])) for n in names if n in features)
+    record = data[0]
+    return isinstance(record, Mapping) and any(_is_float(record[n]) for n in names if n in record)
+
+
+def _feature_dtype(feature: Any) -> str:
+    while hasattr(feature, "feature"):  # a datasets List / Sequence of values
+        feature = feature.feature
+    return str(getattr(feature, "dtype", ""))
+
+
+def _is_float(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.startswith(("float", "bfloat"))
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    if isinstance(value, np.ndarray | np.generic):
+        return value.dtype.kind == "f"
+    if isinstance(value, list | tuple):
+        return bool(value) and _is_float(value[0])
+    return isinstance(value, float)
 
 
 def check_run_length(max_steps: int, num_train_epochs: float) -> None:

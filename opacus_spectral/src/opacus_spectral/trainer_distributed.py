@@ -10,20 +10,34 @@ Opacus' distributed DP-SGD, driven by the Trainer (``docs/upstream.md`` §1.2, �
   backward (an empty Poisson batch skips it) and every parameter to get a gradient (LA-LoRA freezes factors);
 * ``make_private`` sees ``DPDDP`` and builds the distributed optimizer: rank 0 alone adds the noise, the
   gradients are summed over ranks and divided by the expected batch (per rank) times the world size, and the
-  denoisers run after that all-reduce, on the same gradient on every rank.
+  denoisers run after that all-reduce, on the same gradient on every rank;
+* at the start of training the ranks check among themselves that they hold the same dataset in the same order and
+  the same sampling and DP set-up (:func:`check_ranks_agree`): the split into shards assumes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
 from torch import nn
 
-__all__ = ["LockstepPoissonSampler", "check_evaluation", "is_distributed", "rank_wrapper", "unsupported_parallelism"]
+__all__ = [
+    "FINGERPRINT_RECORDS",
+    "LockstepPoissonSampler",
+    "check_evaluation",
+    "check_ranks_agree",
+    "dataset_fingerprint",
+    "is_distributed",
+    "rank_wrapper",
+    "run_setup",
+    "unsupported_parallelism",
+]
 
 EVALUATION = (
     "a causal LM's evaluation across processes: DPTrainer's per-token eval_loss would sum this rank's tokens only, "
@@ -88,3 +102,121 @@ def unsupported_parallelism(trainer: Any) -> str | None:
             "Opacus cannot clip per example. Load the model whole on every rank and run data parallel (torchrun)."
         )
     return None
+
+
+# -- the ranks agree on the data and the set-up ------------------------------------------------------------------
+
+#: up to this many records every record is hashed; beyond, this many at evenly spaced indices (first and last in)
+FINGERPRINT_RECORDS = 4096
+
+
+def fingerprint_indices(n: int) -> range | list[int]:
+    """The indices :func:`dataset_fingerprint` reads of a dataset of ``n`` records."""
+    k = FINGERPRINT_RECORDS
+    return range(n) if n <= k else [i * (n - 1) // (k - 1) for i in range(k)]
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """SHA-256 of the records at :func:`fingerprint_indices`, in index order (so the order counts): tensors and
+    arrays by dtype, shape and bytes, strings, bytes, numbers, and mappings / sequences of them recursively; any
+    other object by its type only. Compared between the ranks of the job, never logged or saved."""
+    h = hashlib.sha256()
+    for i in fingerprint_indices(len(dataset)):
+        _feed(h, dataset[i])
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    """Hash ``value`` with a type tag and its length, so that no two different values give the same stream."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+        t = (t.to_dense() if t.layout != torch.strided else t).contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(value.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray) and value.dtype == object:
+        h.update(f"O{value.shape}".encode())
+        _feed(h, value.tolist())
+    elif isinstance(value, np.ndarray | np.generic):
+        a = np.ascontiguousarray(value)
+        h.update(f"A{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    elif isinstance(value, str | bytes | bytearray):
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        h.update(f"{type(value).__name__}{len(raw)}:".encode())
+        h.update(raw)
+    elif value is None or isinstance(value, bool | int | float | complex):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, Mapping):
+        h.update(f"M{len(value)}".encode())
+        for key in sorted(value, key=str):
+            _feed(h, str(key))
+            _feed(h, value[key])
+    elif isinstance(value, list | tuple):
+        h.update(f"L{len(value)}".encode())
+        if not _feed_numbers(h, value):
+            for item in value:
+                _feed(h, item)
+    else:  # an object of another type: its type only (its repr may hold a memory address)
+        h.update(f"O{type(value).__module__}.{type(value).__qualname__};".encode())
+
+
+def _feed_numbers(h: Any, values: list | tuple) -> bool:
+    """A sequence of Python ints (or of floats) in one go, as int64 (float64) bytes; False for any other."""
+    for kind, dtype in ((int, np.int64), (float, np.float64)):
+        if values and all(type(v) is kind for v in values):
+            try:
+                raw = np.asarray(values, dtype=dtype).tobytes()
+            except OverflowError:  # an int beyond int64: one by one
+                return False
+            h.update(f"{kind.__name__}s:".encode())
+            h.update(raw)
+            return True
+    return False
+
+
+def run_setup(trainer: Any, dataset: Any) -> dict[str, Any]:
+    """What every rank of ``trainer``'s job must share: the dataset (length, fingerprint), the sampling (rate,
+    logical batch, accumulation, processes) and the DP set-up (not the per-rank sampler generators)."""
+    a = trainer.args
+    k, world = a.gradient_accumulation_steps, a.world_size
+    return {
+        "dataset length": len(dataset),
+        "records": dataset_fingerprint(dataset),
+        "sample rate": trainer.sample_rate,
+        "logical batch": trainer._train_batch_size * k * world,
+        "gradient_accumulation_steps": k,
+        "world size": world,
+        "max_grad_norm": trainer.max_grad_norm,
+        "noise_multiplier": trainer.noise_multiplier,
+        "target_epsilon": trainer.target_epsilon,
+        "target_delta": trainer.target_delta,
+        "accountant": trainer.privacy_engine.accountant.mechanism(),
+        "grad_sample_mode": trainer.grad_sample_mode,
+    }
+
+
+def check_ranks_agree(local: dict[str, Any]) -> None:
+    """Exchange ``local`` (:func:`run_setup`) between the ranks over the process group and raise ``ValueError`` on
+    every rank, naming what differs, unless all ranks hold the same; the fingerprint is never shown."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("DPTrainer across processes needs the torch.distributed process group (run with torchrun)")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    differ = [key for key in local if any(g[key] != gathered[0][key] for g in gathered)]
+    if not differ:
+        return
+    what = [
+        "the records (a hash of their content, in order, differs)"
+        if key == "records"
+        else f"{key} ({', '.join(f'rank {r}: {g[key]}' for r, g in enumerate(gathered))})"
+        for key in differ
+    ]
+    raise ValueError(
+        f"DPTrainer's ranks do not train the same run: {'; '.join(what)}. Every rank must hold the same dataset in "
+        "the same order and the same settings: each takes its share of the one dataset, so a record could be "
+        "drawn twice in a step (its gradient counted twice: sensitivity 2C) or never, and ranks would account "
+        "different ε. Build the dataset identically on every rank (shuffle with a fixed seed, or not at all); "
+        "randomness drawn when a record is read (augmentation in __getitem__) belongs in the data collator."
+    )

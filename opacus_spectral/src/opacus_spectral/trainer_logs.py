@@ -5,7 +5,8 @@ integrations only if it is public (a function of the step count and the configur
 ``learning_rate``, ``step``) or noised (``epsilon``, ``delta``: the accountant's). Everything else is dropped unless
 ``release_nonprivate_stats=True``: the loss, the token and FLOP counts (which count the Poisson-sampled records) and
 the end-of-training summary (``train_runtime`` and the speeds derived from it: the time scales with the number of
-sampled records). Evaluation records are not filtered: they are computed on the evaluation set you chose.
+sampled records). Evaluation records are not filtered: they are computed on the evaluation set you chose. The
+progress bar, which would print each step's time, is replaced by one without timing (:mod:`.trainer_progress`).
 """
 
 from __future__ import annotations

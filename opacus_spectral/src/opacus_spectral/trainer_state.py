@@ -2,8 +2,9 @@
 
 A checkpoint directory holds the weights, the Trainer's ``trainer_state.json`` (``global_step``), ``optimizer.pt``
 (Adam-type optimizers count each parameter's steps) and ``scheduler.pt`` (the scheduler's ``last_epoch``), and
-DPTrainer's ``opacus_spectral_dp.pt``: the DP set-up, the accountant's history, the denoisers' state, the step and
-a digest of the trained parameters. It holds no random generator's state: the noise and the Poisson sample come
+DPTrainer's ``opacus_spectral_dp.pt``: the DP set-up, the accountant's history, the denoisers' state, the step,
+a digest of the trained parameters and the privacy record the run composed with (:mod:`.privacy_record`; the
+history starts with it). It holds no random generator's state: the noise and the Poisson sample come
 from generators that are never saved (``docs/trainer.md``, "Noise and reproducibility").
 
 On resume the accountant's history must be the configured noise multiplier and sample rate for exactly
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load_checkpoint_file, optimizer_step_count, verify_accountant_history
+from .privacy_record import STATE_KEY, resumed_prefix, run_history
 
 __all__ = [
     "DP_STATE_FILE",
@@ -64,8 +66,11 @@ def parameters_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
     return h.hexdigest()
 
 
-def dp_state(config: dict[str, Any], accountant: Any, post_hooks: Any, global_step: int, digest: str) -> dict:
-    """What ``opacus_spectral_dp.pt`` holds (numbers, strings, tensors of denoiser state; no generator state)."""
+def dp_state(
+    config: dict[str, Any], accountant: Any, post_hooks: Any, global_step: int, digest: str, record: Any = None
+) -> dict:
+    """What ``opacus_spectral_dp.pt`` holds (numbers, strings, tensors of denoiser state; no generator state);
+    ``record``: the privacy record the run composed with (:func:`~opacus_spectral.privacy_record.resume_state`)."""
     return {
         "format": FORMAT,
         "config": config,
@@ -73,6 +78,7 @@ def dp_state(config: dict[str, Any], accountant: Any, post_hooks: Any, global_st
         "post_hooks": None if post_hooks is None else post_hooks.state_dict(),
         "global_step": int(global_step),
         "parameters_digest": digest,
+        STATE_KEY: record,
     }
 
 
@@ -133,7 +139,7 @@ def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_ste
         raise ValueError(f"cannot resume: the checkpoint's step counts disagree ({_listed(steps)})")
     step = steps["the DP state"]
     verify_accountant_history(
-        evidence.dp["accountant"].get("history", []),
+        _own_history(evidence.dp, where),
         noise_multiplier=config["noise_multiplier"],
         sample_rate=config["sample_rate"],
         steps=step,
@@ -149,6 +155,18 @@ def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_ste
             f"cannot resume: {_listed(ahead)} counted more steps than the accountant's {step}: the weights were "
             "trained for steps whose privacy cost the DP state does not account. Resume from an unedited checkpoint."
         )
+
+
+def _own_history(dp: dict[str, Any], where: str) -> Any:
+    """The accountant history of the checkpoint's run: after the privacy record it was composed with."""
+    history = dp["accountant"].get("history", [])
+    prefix = resumed_prefix(dp.get(STATE_KEY))
+    if not prefix:
+        return history
+    try:
+        return run_history(history, prefix)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}: refusing a history that would misreport epsilon") from err
 
 
 def check_parameters(evidence: ResumeEvidence, digest: str) -> None:

@@ -9,6 +9,10 @@ it. Defaults are the library's except three, which follow what docs/results.md Â
 with SGD at lr 1; AdamW drove the federated training loss up): ``--algo ffa-lora --optimizer sgd --lr 1``.
 ``--save-adapter DIR`` writes the trained adapter (LALoRA in DIR, plain LoRA in DIR/lora).
 
+Exit status: 0 when at least one round produced a new global adapter; 2 for an invalid flag or input (every number
+is checked before training; the message names the flag) or a run that stopped; 1 when the run finished but every
+round failed (the result JSON is still written: see ``failed_rounds`` and each round's ``rejected``).
+
 Example::
 
     peft-lalora federate --model ./my-bert --data reviews.csv --text-column text --label-column label \\
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -123,11 +128,34 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return dataclass_from_args(FederationConfig, args)
 
 
+def _shown(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """The "how to run it" numbers: ``--threads`` >= 0 (0: leave torch's default), ``--timeout`` finite and > 0."""
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: must be >= 0 (0 leaves torch's default)")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout {_shown(args.timeout)}: must be finite and > 0 (seconds)")
+
+
+def config_or_flag_error(args: argparse.Namespace) -> Any:
+    """:func:`config_from_args`, with a :class:`~.federated.config.ConfigError` reworded to name the flag."""
+    from .federated.config import ConfigError
+
+    try:
+        return config_from_args(args)
+    except ConfigError as err:
+        raise ValueError(f"--{err.field.replace('_', '-')} {_shown(err.value)}: must be {err.rule}") from None
+
+
 def federate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict."""
     from .federated.save import check_out_file, check_target_dir
 
-    cfg = config_from_args(args)
+    check_run_flags(args)
+    cfg = config_or_flag_error(args)
     check_out_file(args.out)  # before training: a bad --out must not cost the run
     if args.save_adapter is not None:
         check_target_dir(args.save_adapter)
@@ -203,9 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"adapter: {out['adapter']['adapter']} (LALoRA; plain LoRA copy: {out['adapter']['lora']})")
         if out.get("workdir"):
             print(f"work folder kept (holds private keys; delete it when done): {out['workdir']}")
-        if out.get("failed_rounds"):
+        failed = out.get("failed_rounds") or []
+        if failed and len(failed) == len(out.get("rounds", [])):
             print(
-                f"peft-lalora federate: warning: round(s) {out['failed_rounds']} kept the previous global state "
+                f"peft-lalora federate: error: every round failed ({len(failed)} of {len(failed)}): no client update "
+                "was aggregated; see each round's 'rejected' (categories) in the result and the clients' own logs",
+                file=sys.stderr,
+            )
+            return 1
+        if failed:
+            print(
+                f"peft-lalora federate: warning: round(s) {failed} kept the previous global state "
                 "(no valid update; see 'error' in the result's rounds)",
                 file=sys.stderr,
             )

@@ -89,7 +89,7 @@ class Config:
     optimizer: str = opt("sgd", "client optimizer", choices=("sgd", "adamw"))
     max_grad_norm: float = opt(1.0, "clipping bound C")
     delta: float = opt(1e-5, "δ")
-    accountant: str = opt("rdp", "the clients' accountant (σ calibration and ε spent)", choices=("rdp", "prv", "gdp"))
+    accountant: str = opt("rdp", "the clients' accountant (σ calibration and ε spent)", choices=("rdp", "prv"))
     rank: int = opt(4, "LoRA rank")
     lora_alpha: int = opt(8, "LoRA alpha")
     target_modules: str = opt("query,value", "LoRA target modules (of the layers above the frozen ones)")

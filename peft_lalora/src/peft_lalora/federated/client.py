@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 from .adapter_state import adapter_state, load_adapter_state, trainable_parameters
+from .ledger import check_accountant, delta_problem
 from .losses import LossFn, NamedInputsLoss, sequence_classification_loss
 
 #: What a result records when ``reproducible_noise`` is on.
@@ -130,6 +131,12 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
             raise ValueError("local_steps and batch_size must be >= 1")
+        check_accountant(self.accountant)
+        for name in ("lr", "max_grad_norm", "b_lr_ratio"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be finite and > 0, got {self.target_epsilon!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if self.noise_multiplier == 0 and not self.allow_non_private:  # the engine only warns, as Opacus accepts it
@@ -141,8 +148,9 @@ class ClientConfig:
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
         if self.target_epsilon is not None and (self.planned_steps is None or self.planned_steps < 1):
             raise ValueError("target_epsilon needs planned_steps >= 1 (e.g. rounds * local_steps)")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        sigma = self.noise_multiplier
+        if sigma is not None and not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if self.grad_sample_mode not in ("hooks", "functorch"):
@@ -180,9 +188,13 @@ def privacy_parameters(config: ClientConfig, num_examples: int) -> tuple[float, 
     """(noise multiplier, q) of a client with ``num_examples`` examples: q = 1 / ⌈n / min(B, n)⌉ (Opacus' Poisson
     rate for its loader) and the noise multiplier as given or calibrated from ``target_epsilon`` over
     ``planned_steps`` (:func:`opacus_spectral.noise_multiplier.noise_multiplier_for`). The server computes the same
-    numbers to charge its privacy ledger without trusting the client's report."""
+    numbers to charge its privacy ledger without trusting the client's report. ``ValueError`` when
+    ``config.delta >= 1/num_examples`` (:func:`~.ledger.delta_problem`)."""
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    problem = delta_problem(config.delta, num_examples)
+    if problem is not None:
+        raise ValueError(problem)
     batch = min(config.batch_size, num_examples)
     q = 1.0 / math.ceil(num_examples / batch)
     if config.noise_multiplier is not None:
@@ -344,7 +356,8 @@ class DPClient:
         """ε spent so far at ``delta`` (default: the config's δ) according to this client's accountant."""
         if not self.engine.accountant.history:
             return 0.0
-        return float(self.engine.accountant.get_epsilon(delta=self.config.delta if delta is None else delta))
+        eps = float(self.engine.accountant.get_epsilon(delta=self.config.delta if delta is None else delta))
+        return 0.0 if eps < 0 else eps  # (0, δ)-DP: never a negative ε
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive between rounds when the client is rebuilt (Flower): the accountant history,

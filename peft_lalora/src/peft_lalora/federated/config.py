@@ -26,14 +26,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .aggregate import NORM_POLICIES, RULES, trim_problem
+from .ledger import ACCOUNTANTS, check_accountant
 
 __all__ = [
     "ALGORITHMS",
+    "ConfigError",
     "DEFAULTS",
     "FILTERS",
     "FederationConfig",
@@ -51,6 +55,65 @@ FILTERS: dict[str, list[Any]] = {
     "laplacian": [("lowpass", {"kernel": "laplacian", "laplacian_dims": 2})],
 }
 PARTITIONS: tuple[str, ...] = ("dirichlet", "iid", "group")
+_OPEN, _CLOSED = True, False
+#: every float field's range ``(low, low open?, high, high open?)``, NaN and ±∞ always refused; 0 is in a range
+#: only where it has a documented meaning (``epsilon`` 0: use noise_multiplier; ``max_update_norm`` 0: the derived
+#: bound; ``weight_decay`` and ``trim_fraction`` 0: none)
+FLOAT_RANGES: dict[str, tuple[float, bool, float, bool]] = {
+    "alpha": (0.0, _OPEN, math.inf, _OPEN),
+    "fraction": (0.0, _OPEN, 1.0, _CLOSED),
+    "server_lr": (0.0, _OPEN, math.inf, _OPEN),
+    "max_update_norm": (0.0, _CLOSED, math.inf, _OPEN),
+    "trim_fraction": (0.0, _CLOSED, 0.5, _OPEN),
+    "lr": (0.0, _OPEN, math.inf, _OPEN),
+    "b_lr_ratio": (0.0, _OPEN, math.inf, _OPEN),
+    "weight_decay": (0.0, _CLOSED, math.inf, _OPEN),
+    "max_grad_norm": (0.0, _OPEN, math.inf, _OPEN),
+    "epsilon": (0.0, _CLOSED, math.inf, _OPEN),
+    "noise_multiplier": (0.0, _OPEN, math.inf, _OPEN),
+    "delta": (0.0, _OPEN, 1.0, _OPEN),
+}
+#: every int field's least value (``n_train``/``n_test``/``seq_len``/``num_labels``: ``TaskSettings``, 0 = default)
+INT_MINIMA: dict[str, int] = {
+    "num_clients": 1,
+    "rounds": 1,
+    "local_steps": 1,
+    "batch_size": 1,
+    "min_clients": 1,
+    "rank": 1,
+    "lora_alpha": 1,
+    "min_partition_size": 1,
+    "seed": 0,
+}
+
+
+class ConfigError(ValueError):
+    """A :class:`FederationConfig` number out of its range: ``field``, ``value`` and the ``rule`` (the CLI names the
+    flag)."""
+
+    def __init__(self, field: str, value: Any, rule: str) -> None:
+        super().__init__(f"{field} must be {rule}, got {value!r}")
+        self.field, self.value, self.rule = field, value, rule
+
+
+def range_rule(low: float, low_open: bool, high: float, high_open: bool) -> str:
+    """``"finite and > 0"``, ``"in (0, 1]"``, ... for a :data:`FLOAT_RANGES` entry."""
+    if math.isinf(high):
+        return f"finite and {'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_numbers(cfg: Any) -> None:
+    """:class:`ConfigError` for the first field of ``cfg`` outside :data:`FLOAT_RANGES` / :data:`INT_MINIMA`."""
+    for name, (low, low_open, high, high_open) in FLOAT_RANGES.items():
+        v = getattr(cfg, name)
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        if not (ok and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)):
+            raise ConfigError(name, v, range_rule(low, low_open, high, high_open))
+    for name, least in INT_MINIMA.items():
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:
+            raise ConfigError(name, v, f"an integer >= {least}")
 
 
 @dataclass(frozen=True)
@@ -111,7 +174,9 @@ class FederationConfig:
     """Everything that defines a run; flat so that it maps 1:1 to a Flower ``run_config`` and to CLI flags.
 
     Privacy: ``epsilon > 0`` calibrates each client's σ so that a client sampled in *every* round ends at
-    ``(epsilon, delta)`` after ``rounds × local_steps`` steps; ``epsilon <= 0`` uses ``noise_multiplier``.
+    ``(epsilon, delta)`` after ``rounds × local_steps`` steps; ``epsilon = 0`` uses ``noise_multiplier``. Every number
+    is checked (:func:`check_numbers`: NaN, ±∞ and out-of-range values are :class:`ConfigError`); ``delta`` must also
+    be below 1/N for every partition's N records, checked once the sizes are known (:func:`~.ledger.check_delta`).
 
     ``reproducible_noise`` (default ``False``): seed each client's DP noise, Poisson sampling and dropout from
     ``(seed, client, round)`` instead of fresh OS entropy — so that runners can be compared bit for bit.
@@ -143,8 +208,8 @@ class FederationConfig:
     first_factor: str = _opt("B", "factor trained first: B (paper) or A (reference code)", choices=("B", "A"))
     num_clients: int = _opt(8, "number of clients (partitions)")
     partition: str = _opt("dirichlet", "client split", choices=PARTITIONS)
-    alpha: float = _opt(0.1, "Dirichlet label-skew concentration (partition=dirichlet)")
-    min_partition_size: int = _opt(4, "Dirichlet: minimum examples per client")
+    alpha: float = _opt(0.1, "Dirichlet label-skew concentration (partition=dirichlet), > 0")
+    min_partition_size: int = _opt(4, "Dirichlet: minimum examples per client (>= 1)")
     partition_sizes: str = _opt(
         "",
         "the operator's plan: examples per partition, comma-separated (the Flower server "
@@ -188,14 +253,20 @@ class FederationConfig:
     b_lr_ratio: float = _opt(1.0, "B's learning rate / A's (reference code: 2)")
     weight_decay: float = _opt(0.0, "weight decay")
     max_grad_norm: float = _opt(1.0, "per-example clipping bound C")
-    epsilon: float = _opt(1.0, "target epsilon per client (<= 0: use noise_multiplier)")
-    noise_multiplier: float = _opt(1.0, "noise multiplier (noise std / max_grad_norm) when epsilon <= 0")
-    delta: float = _opt(1e-5, "delta of every epsilon")
-    accountant: str = _opt("rdp", "Opacus accountant", choices=("rdp", "prv", "gdp"))
+    epsilon: float = _opt(1.0, "target epsilon per client (0: use noise_multiplier)")
+    noise_multiplier: float = _opt(1.0, "noise multiplier (noise std / max_grad_norm) when epsilon = 0; > 0")
+    delta: float = _opt(
+        1e-5, "delta of every epsilon; below 1/N for each client's N records (usual: well below, e.g. 1/N^1.1)"
+    )
+    accountant: str = _opt(
+        "rdp",
+        "Opacus accountant, an upper bound on epsilon ('gdp', an approximation, is refused)",
+        choices=ACCOUNTANTS,
+    )
     rank: int = _opt(4, "LoRA rank")
     lora_alpha: int = _opt(8, "LoRA alpha")
     target_modules: str = _opt("query,value", "comma-separated LoRA target modules")
-    seed: int = _opt(0, "seed of splits, partition, sampling and adapter init")
+    seed: int = _opt(0, "seed of splits, partition, sampling and adapter init (>= 0)")
     release_nonprivate_stats: bool = _opt(
         False, "NOT private: clients also send their noise-free mean training loss, and the result records it"
     )
@@ -218,21 +289,14 @@ class FederationConfig:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         if self.partition == "group" and self.task == "text" and not self.group_column:
             raise ValueError("partition='group' needs group_column (the column to split by)")
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
-        for name in ("num_clients", "rounds", "local_steps", "batch_size", "min_clients", "rank"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_numbers(self)
+        check_accountant(self.accountant)
         if self.min_clients > self.num_clients:
             raise ValueError(f"min_clients={self.min_clients} > num_clients={self.num_clients}")
-        if not self.max_update_norm >= 0:
-            raise ValueError(f"max_update_norm must be >= 0 (0 = the derived bound), got {self.max_update_norm}")
         if self.update_norm_policy not in NORM_POLICIES:
             raise ValueError(f"update_norm_policy must be one of {NORM_POLICIES}, got {self.update_norm_policy!r}")
         if self.aggregation not in RULES:
             raise ValueError(f"aggregation must be one of {RULES}, got {self.aggregation!r}")
-        if not 0 <= self.trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         if self.aggregation == "trimmed_mean":
             problem = trim_problem(self.trim_fraction, clients_per_round(self))
             if problem is not None:

@@ -3,8 +3,9 @@ and the column.
 
 CSV/TSV and JSON Lines files are scanned before ``datasets`` loads them (pandas would silently fill a short
 row with missing values, pyarrow a record without a field with ``null``): every record must have the header's
-number of fields (CSV) or be a JSON object with the run's columns (JSONL), quotes must close, text and label
-cells must not be empty, and JSON labels must all be strings or all integers. After loading, every format
+number of fields (CSV) or be a JSON object with the run's columns (JSONL), no column may be named twice (a CSV
+header, a JSON object: pandas would silently read the first, ``json`` keep the last), quotes must close, text and
+label cells must not be empty, and JSON labels must all be strings or all integers. After loading, every format
 (``save_to_disk`` folders too) is checked for missing cells and float labels. Errors are
 :class:`InputError` (a ``ValueError``): ``<file>:<line>: record <n>: <what>, column '<name>'``.
 """
@@ -89,6 +90,7 @@ def _scan_csv(p: Path, delim: str, columns: Mapping[str, str]) -> None:
             header = next(reader, [])
             if not header:
                 raise InputError(f"{p}: empty file (expected a header row naming the columns)")
+            _check_unique_header(p, header)
             where = {role: _header_index(p, header, role, col) for role, col in columns.items()}
             line = reader.line_num + 1
             for row in reader:
@@ -100,6 +102,33 @@ def _scan_csv(p: Path, delim: str, columns: Mapping[str, str]) -> None:
         raise InputError(f"{p}:{line}: record {record + 1}: {err}{_quote_column(p, line, delim, header)}") from None
     except UnicodeDecodeError as err:
         raise InputError(f"{p}: not UTF-8 text ({err.reason}); save the file as UTF-8") from None
+
+
+def _check_unique_header(p: Path, header: list[str]) -> None:
+    first: dict[str, int] = {}
+    for i, name in enumerate(header, 1):
+        if name in first:
+            raise InputError(
+                f"{p}:1: column {name!r} is named twice in the header (fields {first[name]} and {i}); rename one "
+                "(pandas would silently read only the first)"
+            )
+        first[name] = i
+
+
+class _DuplicateField(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: a dict, or :class:`_DuplicateField` for a field named twice."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateField(k)
+        out[k] = v
+    return out
 
 
 def _header_index(p: Path, header: list[str], role: str, col: str) -> int:
@@ -165,11 +194,13 @@ def _scan_json(p: Path, columns: Mapping[str, str]) -> None:
 def _check_json_record(p: Path, line: int, record: int, raw: str, columns: Mapping[str, str], first: str | None) -> str:
     at = f"{p}:{line}: record {record}"
     try:
-        rec = json.loads(raw)
+        rec = json.loads(raw, object_pairs_hook=_unique_object)
     except json.JSONDecodeError as err:
         raise InputError(
             f"{at}: invalid JSON ({err.msg} at character {err.colno}); expected one JSON object per line"
         ) from None
+    except _DuplicateField as err:
+        raise InputError(f"{at}: field {err.name!r} twice in one object (json would silently keep the last)") from None
     if not isinstance(rec, dict):
         raise InputError(f"{at}: a JSON {type(rec).__name__}, expected an object with the columns {dict(columns)}")
     for role, col in columns.items():

@@ -20,6 +20,13 @@ accountant of the same kind, so the numbers are reproducible from data that can 
 * **the server's own count is a floor.** :meth:`PrivacyLedger.charge` records what the server asked for (the
   σ, q and number of steps of each train message it sent); a client's ε is the larger of the ε of its reports
   and the ε of its charges. A client that crashed mid-round, lost its reply or lied is charged all the same.
+* **only a proof takes a charge back.** :meth:`PrivacyLedger.withdraw` removes a round's charge when the caller has
+  proof that the client ran no DP step in it (the in-process runner sees the client's own accountant); a remote
+  error reply is no proof and stays charged. ``withdrawn_steps`` in the report counts what was taken back.
+
+ε is recomputed with an upper-bound accountant only (``"rdp"`` or ``"prv"``): ``"gdp"`` is refused
+(:data:`GDP_REFUSED`). A negative ε from a numerical accountant (δ large for the steps) means (0, δ)-DP and is
+reported as 0.0. δ must be below 1/N for every client's N records (:func:`check_delta`).
 """
 
 from __future__ import annotations
@@ -31,9 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ACCOUNTANTS",
     "ClientPrivacy",
+    "GDP_REFUSED",
     "InadmissibleReport",
     "PrivacyLedger",
+    "check_accountant",
+    "check_delta",
+    "delta_problem",
     "epsilon_from_history",
     "extends",
     "normalize_history",
@@ -41,6 +53,41 @@ __all__ = [
 ]
 
 HistoryEntry = tuple[float, float, int]
+#: the accountants whose ε is an upper bound (Opacus' PRV and RDP)
+ACCOUNTANTS = ("rdp", "prv")
+GDP_REFUSED = (
+    "accountant='gdp' is refused: Opacus' GDP accountant is a central-limit approximation, not an upper bound on "
+    "epsilon (calibrating epsilon=2 over 40 steps at q=0.01 it reports 2.0 where PRV gives 5.7 and RDP 7.1 for "
+    "the same noise); use 'prv' or 'rdp'"
+)
+
+
+def check_accountant(accountant: str) -> str:
+    """``accountant`` if it is one of :data:`ACCOUNTANTS`; ``ValueError`` saying why otherwise."""
+    if accountant == "gdp":
+        raise ValueError(GDP_REFUSED)
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    return accountant
+
+
+def delta_problem(delta: float, n: int) -> str | None:
+    """Why ``delta`` is too large for a dataset of ``n`` records (the privacy unit is one record), or ``None``."""
+    if delta * n < 1:
+        return None
+    return (
+        f"delta={delta:g} >= 1/N for N = {n} records (the client's dataset; its privacy unit is one record): with "
+        "delta >= 1/N, publishing one record outright is (0, delta)-DP; choose delta well below 1/N, e.g. 1e-5 or "
+        f"1/N^1.1 = {n**-1.1:.3g}"
+    )
+
+
+def check_delta(delta: float, sizes: Sequence[int]) -> None:
+    """``ValueError`` naming the first partition whose size ``N`` has ``delta >= 1/N``."""
+    for p, n in enumerate(sizes):
+        problem = delta_problem(delta, int(n))
+        if problem is not None:
+            raise ValueError(f"partition {p}: {problem}")
 
 
 def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
@@ -90,12 +137,13 @@ def report_problem(history: Iterable[Sequence[float]], max_steps: int) -> str | 
 
 
 def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "rdp") -> float:
-    """ε at ``delta`` of a fresh Opacus accountant (``"rdp"``, ``"prv"`` or ``"gdp"``) fed ``history``.
+    """ε at ``delta`` of a fresh Opacus accountant (``"rdp"`` or ``"prv"``; ``"gdp"`` is refused) fed ``history``.
 
-    An empty history spends nothing (ε = 0).
+    An empty history spends nothing (ε = 0); a negative ε (δ large for the steps: (0, δ)-DP) is reported as 0.0.
     """
     from opacus.accountants import create_accountant
 
+    check_accountant(accountant)
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     hist = normalize_history(history)
@@ -103,7 +151,8 @@ def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accou
         return 0.0
     acc = create_accountant(mechanism=accountant)
     acc.history = list(hist)
-    return float(acc.get_epsilon(delta=delta))
+    eps = float(acc.get_epsilon(delta=delta))
+    return 0.0 if eps < 0 else eps  # NaN stays NaN: never hidden as 0
 
 
 def extends(history: Sequence[HistoryEntry], prefix: Sequence[HistoryEntry]) -> bool:
@@ -134,6 +183,8 @@ class ClientPrivacy:
     epsilon_reported: float = 0.0
     epsilon_charged: float = 0.0
     anomalies: list[str] = field(default_factory=list)
+    #: charged steps taken back with proof that they never ran (:meth:`PrivacyLedger.withdraw`)
+    withdrawn_steps: int = 0
 
     @property
     def steps(self) -> int:
@@ -149,15 +200,15 @@ class PrivacyLedger:
 
     Args:
         delta: the δ every ε is reported at (e.g. 1e-5, or below 1/n_i for client i).
-        accountant: Opacus accountant kind used to recompute ε (``"rdp"``, ``"prv"``, ``"gdp"``); use the
-            clients' kind so the ledger matches what they report.
+        accountant: Opacus accountant kind used to recompute ε (``"rdp"`` or ``"prv"``; ``"gdp"``, an
+            approximation, is refused); use the clients' kind so the ledger matches what they report.
     """
 
     def __init__(self, delta: float, accountant: str = "rdp") -> None:
+        self.accountant = check_accountant(accountant)
         if not (0.0 < delta < 1.0):
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         self.delta = float(delta)
-        self.accountant = accountant
         self._clients: dict[Any, ClientPrivacy] = {}
 
     def register(self, client: Any) -> None:
@@ -207,6 +258,22 @@ class PrivacyLedger:
         info.epsilon_charged = epsilon_from_history(info.charged, self.delta, self.accountant)
         return self._update(info)
 
+    def withdraw(self, client: Any, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+        """Take back the last ``steps`` charged to ``client`` at (σ, q), only with proof that they never ran (the
+        caller saw the client's own accountant); ``ValueError`` if that is more than its last charge. Returns ε."""
+        info = self._clients[client]
+        last = info.charged[-1] if info.charged else None
+        if last is None or last[:2] != (float(noise_multiplier), float(sample_rate)) or last[2] < steps:
+            raise ValueError(
+                f"client {client!r}: cannot withdraw {steps} steps at (σ={noise_multiplier}, q={sample_rate}): more "
+                f"than was charged last ({last})"
+            )
+        rest = last[2] - int(steps)
+        info.charged = [*info.charged[:-1], *([(last[0], last[1], rest)] if rest else [])]
+        info.withdrawn_steps += int(steps)
+        info.epsilon_charged = epsilon_from_history(info.charged, self.delta, self.accountant)
+        return self._update(info)
+
     def _update(self, info: ClientPrivacy) -> float:
         info.epsilon = max(info.epsilon_reported, info.epsilon_charged)
         return info.epsilon
@@ -241,6 +308,7 @@ class PrivacyLedger:
                     "epsilon_charged": info.epsilon_charged,
                     "steps": info.steps,
                     "charged_steps": info.charged_steps,
+                    "withdrawn_steps": info.withdrawn_steps,
                     "rounds": info.rounds,
                     "anomalies": list(info.anomalies),
                     "noise_multipliers": sorted({h[0] for h in info.history}),

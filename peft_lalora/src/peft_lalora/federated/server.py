@@ -4,7 +4,7 @@ One round, whichever runner drives it::
 
     sampled = server.start_round(r)        # seeded sample; each sampled client is charged (σ, q, K) to the ledger
     server.receive(c, state=..., history=...)   # a client's update (its history goes to the ledger, bounded)
-    server.reject(c, reason, history=...)  # a failed / malformed / refused reply (its spend is still recorded)
+    server.reject(c, reason, category=...)  # a failed / malformed / refused reply (its spend is still recorded)
     record = server.finish_round()         # bound, FedAvg (or keep the global state), evaluate, record
 
 The server owns the global adapter, the partition sizes of the operator's plan (the FedAvg weights — never
@@ -15,6 +15,12 @@ the operator's own evaluation data. A reply's accountant history is bounded (ste
 σ > 0, finite) before it reaches the ledger; a reply that claims more is refused with its reason. Every
 update is bounded in norm before averaging — by default to the longest update an honest client of the run can
 send (:mod:`.update_bound`); a server without any bound warns.
+
+Every rejected reply is recorded as ``{client, node, category, reason}``: the category is one of
+:data:`~.replies.CLIENT_FAILURES` (what a failed node reports), ``client_error`` (any other error reply) or one
+of :data:`SERVER_REJECTIONS`; the reason is the server's own text, never a client's error message. A round's
+charge is withdrawn only with proof that the client ran no DP step (``reject(..., no_dp_step=True)``, which only
+the in-process runner can give; :meth:`~.ledger.PrivacyLedger.withdraw`).
 """
 
 from __future__ import annotations
@@ -32,13 +38,21 @@ import torch
 from .aggregate import AggregationError
 from .builders import aggregate_updates, noise_record, sample_clients
 from .config import FederationConfig
-from .ledger import InadmissibleReport, PrivacyLedger
+from .ledger import InadmissibleReport, PrivacyLedger, check_delta
 from .plan import FederationPlan, partition_summary
 from .update_bound import server_update_bound
 
-__all__ = ["FederationResult", "FederationServer", "RoundRecord"]
+__all__ = ["FederationResult", "FederationServer", "RoundRecord", "SERVER_REJECTIONS"]
 
 State = dict[str, torch.Tensor]
+#: why the server itself refused a reply (categories of a round record's ``rejected``)
+SERVER_REJECTIONS = (
+    "unattributable_reply",  # from a node not sent this round's message, or a second reply
+    "inconsistent_reply",  # claims another partition than the one assigned
+    "malformed_reply",  # a field or an array that does not parse (replies.state_from_arrays)
+    "accountant_report_refused",  # a history beyond what was charged (ledger.report_problem)
+    "invalid_update",  # refused by the aggregation (NaN/Inf, shapes, the update-norm bound)
+)
 
 
 @dataclass
@@ -111,6 +125,7 @@ class _Round:
     ids: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    withdrawn: set[int] = field(default_factory=set)
 
 
 class FederationServer:
@@ -139,6 +154,7 @@ class FederationServer:
     ) -> None:
         if len(sizes) != cfg.num_clients or sorted(privacy) != list(range(cfg.num_clients)):
             raise ValueError("sizes and privacy must cover every partition 0..num_clients-1")
+        check_delta(cfg.delta, sizes)
         self.cfg = cfg
         self.global_state: State = dict(global_state)
         self.sizes = [int(n) for n in sizes]
@@ -196,6 +212,7 @@ class FederationServer:
 
         if len(plan.sizes) != cfg.num_clients:
             raise ValueError(f"the plan has {len(plan.sizes)} partitions but the run has {cfg.num_clients}")
+        check_delta(cfg.delta, plan.sizes)
         client_cfg = client_config(cfg)
         privacy = {p: privacy_parameters(client_cfg, n) for p, n in enumerate(plan.sizes)}
         if (evaluate_held_out or not task.test_from_train) and task.test is not None:  # never load a carved split
@@ -257,6 +274,7 @@ class FederationServer:
         state: Mapping[str, torch.Tensor],
         history: Sequence[Sequence[float]],
         loss: float | None = None,
+        node: int | None = None,
     ) -> None:
         """A client's update; its accountant history goes to the ledger first (spent even if rejected later).
         A history out of bounds rejects the whole reply; ``loss`` is kept only with ``release_nonprivate_stats``."""
@@ -265,21 +283,35 @@ class FederationServer:
             raise ValueError(f"client {client} already sent its update for round {rnd.index}")
         problem = self._record(client, history)
         if problem is not None:
-            rnd.failures.append({"client": client, "reason": problem})
+            rnd.failures.append(_failure(client, node, "accountant_report_refused", problem))
             return
         rnd.states.append(dict(state))
         rnd.ids.append(client)
         if loss is not None and self.cfg.release_nonprivate_stats:
             rnd.losses.append(float(loss))
 
-    def reject(self, client: int | None, reason: str, *, history: Sequence[Sequence[float]] | None = None) -> None:
-        """A failed, malformed or refused reply (``client=None``: not attributable); its history, when known,
-        still goes to the ledger."""
+    def reject(
+        self,
+        client: int | None,
+        reason: str,
+        *,
+        category: str,
+        history: Sequence[Sequence[float]] | None = None,
+        node: int | None = None,
+        no_dp_step: bool = False,
+    ) -> None:
+        """A failed, malformed or refused reply (``client=None``: not attributable), recorded as its ``category``
+        and the server's own ``reason`` (never a client's text); its history, when known, still goes to the ledger.
+        ``no_dp_step=True`` — only with proof that the client ran no DP step this round (the in-process runner
+        saw its accountant) — withdraws the round's charge."""
         rnd = self._current(None)
         if client is not None and history is not None:
             problem = self._record(client, history)
             reason = reason if problem is None else f"{reason}; {problem}"
-        rnd.failures.append({"client": client, "reason": reason})
+        if no_dp_step and client is not None and client not in rnd.withdrawn:
+            rnd.withdrawn.add(client)
+            self.ledger.withdraw(client, *self.privacy[client], self.cfg.local_steps)
+        rnd.failures.append(_failure(client, node, category, reason))
 
     def finish_round(self) -> RoundRecord:
         """FedAvg of the valid updates (or keep the global state, with the reason), evaluate, record."""
@@ -305,7 +337,7 @@ class FederationServer:
             accuracy=metrics["accuracy"],
             loss=metrics["loss"],
             train_loss=(sum(good) / len(good) if good else math.nan) if self.cfg.release_nonprivate_stats else None,
-            rejected=[{"client": r.client, "reason": r.reason} for r in rejected] + rnd.failures,
+            rejected=[_failure(r.client, None, "invalid_update", r.reason) for r in rejected] + rnd.failures,
             max_epsilon=self.ledger.max_epsilon,
             error=error,
             update_bound=bound,
@@ -328,3 +360,8 @@ class FederationServer:
             noise=noise_record(self.cfg),
             evaluation=self.evaluation,
         )
+
+
+def _failure(client: int | None, node: int | None, category: str, reason: str) -> dict[str, Any]:
+    """One entry of a round record's ``rejected``."""
+    return {"client": client, "node": node, "category": category, "reason": reason}

@@ -27,7 +27,11 @@ Protocol:
    local steps) to its ledger when it sends the message, and adds the accountant history the reply carries
    (``dp-noise-multiplier`` / ``dp-q`` / ``dp-steps``), bounded first (no more steps than charged, σ > 0, finite; else
    the reply is refused with its reason); the reported ε is the
-   larger of the two (:mod:`.ledger`). ``aggregate_train`` runs :func:`aggregate_updates` (validation,
+   larger of the two (:mod:`.ledger`). A reply's arrays are parsed against the global adapter's keys, shapes and
+   dtypes before anything is allocated (:func:`~..replies.state_from_arrays`); any malformed field rejects that
+   reply only. A node whose round fails replies with an error whose reason is only its category
+   (:data:`~..replies.CLIENT_FAILURES`; the detail goes to the node's own log), and the server records only a
+   category and the node id, never an error text. ``aggregate_train`` runs :func:`aggregate_updates` (validation,
    update-norm bound, FedAvg of A, B and head); centralized evaluation on the operator's evaluation data
    (when there is any) after every round. A round in which every reply failed, was malformed or was
    rejected keeps the previous global adapter and records why (``error`` and ``rejected`` in its result
@@ -47,16 +51,17 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from ..replies import history_of, number, reply_metrics
+from ..replies import failure_category, history_of, number, reply_metrics, state_from_arrays
 from .app_config import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
 
 # The Flower app is loaded by module path (``peft_lalora.federated.flower.app:server_app`` /
@@ -71,10 +76,10 @@ __all__ = ["LALoraStrategy", "assign_partitions", "client_app", "server_app"]
 _STATE_KEY = "lalora-client"
 
 
-def _log(level: int, msg: str, *args: Any) -> None:
+def _log(level: int, msg: str, *args: Any, **kwargs: Any) -> None:
     from flwr.supercore import log
 
-    log(level, msg, *args)
+    log(level, msg, *args, **kwargs)
 
 
 def _set_threads(context: Context) -> None:
@@ -130,13 +135,32 @@ def _local_data(cfg: FederationConfig, context: Context, pid: int) -> tuple[Any,
     return task, rows
 
 
+class _Failed(Exception):
+    """A round failed at a stage whose category the node reports (the cause stays on the node)."""
+
+    def __init__(self, category: str) -> None:
+        super().__init__(category)
+        self.category = category
+
+
+def _stage(category: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; any exception becomes :class:`_Failed` ``(category)`` with the original as its cause."""
+    try:
+        return fn(*args)
+    except _Failed:
+        raise
+    except Exception as err:  # noqa: BLE001 - classified here, logged in full on the node by _train
+        raise _Failed(category) from err
+
+
 def _client_for(cfg: FederationConfig, context: Context, pid: int) -> Any:
     from ..builders import make_client
 
     key = (int(context.run_id), pid)
     client = _CLIENTS.get(key)
     if client is None:
-        client = make_client(cfg, *_local_data(cfg, context, pid), pid)
+        task, rows = _stage("data_error", _local_data, cfg, context, pid)
+        client = _stage("client_setup_error", make_client, cfg, task, rows, pid)
         saved = context.state.config_records.get(_STATE_KEY)
         if saved is not None:
             if int(number(saved, "partition-id")) != pid:
@@ -156,16 +180,8 @@ def _client_for(cfg: FederationConfig, context: Context, pid: int) -> Any:
     return client
 
 
-@client_app.train()
-def _train(msg: Message, context: Context) -> Message:
-    """One DP round on this node's partition, starting from the received global adapter."""
-    _set_threads(context)
-    cfg = _config(context)
-    pid = _assigned_partition(msg, context)
-    client = _client_for(cfg, context, pid)
-    global_state = msg.content.array_records["arrays"].to_torch_state_dict()
-    server_round = int(number(msg.content.config_records["config"], "server-round"))
-    update = client.fit(global_state, server_round=server_round)
+def _save_state(context: Context, client: Any, pid: int) -> None:
+    """The client's accountant history, counters and last round, in the node's ``context.state``."""
     hist = client.history
     context.state[_STATE_KEY] = ConfigRecord(
         {
@@ -178,6 +194,36 @@ def _train(msg: Message, context: Context) -> Message:
             "last-round": client.last_round,
         }
     )
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    """One DP round on this node's partition; a failure is an error reply naming only its category
+    (:data:`~..replies.CLIENT_FAILURES`), logged in full here, on the node."""
+    from ..client import ReplayedRoundError
+
+    try:
+        return _train_round(msg, context)
+    except Exception as err:  # noqa: BLE001 - every failure becomes a category; the detail stays in this log
+        cause = err.__cause__ if isinstance(err, _Failed) and err.__cause__ is not None else err
+        category = err.category if isinstance(err, _Failed) else "training_error"
+        category = "replayed_round" if isinstance(cause, ReplayedRoundError) else category
+        _log(ERROR, "train message failed: %s (the server is told only this category)", category, exc_info=cause)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=category), reply_to=msg)
+
+
+def _train_round(msg: Message, context: Context) -> Message:
+    """One DP round on this node's partition, starting from the received global adapter."""
+    _set_threads(context)
+    cfg = _stage("client_setup_error", _config, context)
+    pid = _stage("assignment_refused", _assigned_partition, msg, context)
+    client = _stage("client_setup_error", _client_for, cfg, context, pid)
+    global_state = msg.content.array_records["arrays"].to_torch_state_dict()
+    server_round = int(number(msg.content.config_records["config"], "server-round"))
+    try:
+        update = client.fit(global_state, server_round=server_round)
+    finally:  # also after a failed fit: the steps it ran and its consumed round survive the process
+        _save_state(context, client, pid)
     metrics = MetricRecord(reply_metrics(update, cfg))  # the allowlist (.replies): nothing noise-free by default
     return Message(RecordDict({"arrays": ArrayRecord(update.state), "metrics": metrics}), reply_to=msg)
 
@@ -244,12 +290,20 @@ class LALoraStrategy(FedAvg):
         a = next(iter(msg.content.array_records.values()))
         history = history_of(m)
         claimed = int(number(m, "partition-id"))
+        src = msg.metadata.src_node_id
         if claimed != pid:
             problem = f"claims partition {claimed} but was assigned partition {pid}"
-            self.server.reject(pid, f"node {msg.metadata.src_node_id}: rejected reply ({problem})", history=history)
+            reason = f"node {src}: rejected reply ({problem})"
+            self.server.reject(pid, reason, category="inconsistent_reply", history=history, node=src)
             return
-        loss = float(number(m, "train-loss")) if self.server.cfg.release_nonprivate_stats else None
-        self.server.receive(pid, state=a.to_torch_state_dict(), history=history, loss=loss)
+        try:
+            state = state_from_arrays(a, self.server.global_state)  # checked before anything is allocated
+            loss = float(number(m, "train-loss")) if self.server.cfg.release_nonprivate_stats else None
+        except (KeyError, TypeError, ValueError, OverflowError) as err:  # its well-formed history is still booked
+            reason = f"node {src}: rejected reply ({type(err).__name__}: {err})"
+            self.server.reject(pid, reason, category="malformed_reply", history=history, node=src)
+            return
+        self.server.receive(pid, state=state, history=history, loss=loss, node=src)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -263,18 +317,20 @@ class LALoraStrategy(FedAvg):
             try:
                 pid = self._attribute(server_round, msg, seen)
             except ValueError as err:
-                self.server.reject(None, str(err))
+                self.server.reject(None, str(err), category="unattributable_reply", node=src)
                 continue
-            if msg.has_error():
-                self.server.reject(pid, f"node {src}: {msg.error.reason}")
+            if msg.has_error():  # only its category is kept: an error text may quote the node's data
+                category = failure_category(msg.error.reason)
+                self.server.reject(pid, f"node {src}: error reply ({category})", category=category, node=src)
                 continue
             try:  # replies are remote input: any malformed field rejects that reply only
                 self._admit(pid, msg)
             except (StopIteration, KeyError, TypeError, ValueError, OverflowError) as err:
-                self.server.reject(pid, f"node {src}: rejected reply ({type(err).__name__}: {err})")
+                reason = f"node {src}: rejected reply ({type(err).__name__}: {err})"
+                self.server.reject(pid, reason, category="malformed_reply", node=src)
         rec = self.server.finish_round()
         for r in rec.rejected:
-            _log(WARNING, "round %s: client %s: %s", server_round, r["client"], r["reason"])
+            _log(WARNING, "round %s: client %s: %s: %s", server_round, r["client"], r["category"], r["reason"])
         if rec.error is not None:
             _log(WARNING, "round %s: %s", server_round, rec.error)
         metrics = MetricRecord(

@@ -67,6 +67,7 @@ def _run(
 ) -> dict[str, Any]:
     import torch
 
+    from ..ledger import check_delta
     from ..plan import FederationPlan, partition_summary, planned_config
     from ..task import build_task
     from .app_config import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY, write_flower_app
@@ -74,6 +75,7 @@ def _run(
 
     task = build_task(cfg)
     cfg, partition = planned_config(cfg, task)
+    check_delta(cfg.delta, FederationPlan.from_partition(partition).sizes)  # before any process starts
     result_path, state_path = (wd / "result.json").resolve(), (wd / "global_state.pt").resolve()
     run_config = {
         **cfg.to_dict(),

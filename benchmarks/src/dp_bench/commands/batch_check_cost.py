@@ -1,0 +1,138 @@
+"""Cost of DPTrainer's batch-independence check (``docs/trainer.md``, "Batch independence"), beside a DP step.
+
+all-MiniLM-L6-v2 (packaged weights) with LoRA r = 8 on query/value, sequence classification, DPTrainer with
+hooks-mode DP-SGD (σ = 1) on synthetic sentences of 5–47 words, padded on the right and on the left: the check's
+time (it runs once, before the first step; a warm-up forward is paid before it, as the first step would pay it), and
+the median time of the DP steps after the first, in one run.
+
+    OMP_NUM_THREADS=2 dp-bench batch-check-cost
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from opacus_spectral.batch_independence import BatchDependenceError
+
+from ..config import command_line, opt, parse_config
+from ..meta import RESULTS
+
+
+@dataclass
+class Config:
+    steps: int = opt(6, "DP steps per padding side (the first is not timed)")
+    batch: int = opt(32, "logical batch (expected Poisson batch size)")
+    records: int = opt(512, "training records")
+    seed: int = opt(0, "seed of the classifier head and the LoRA initialization")
+    out: Path = opt(RESULTS / "batch_check_cost.json", "result JSON")
+
+
+def _dataset(tokenizer: Any, n: int) -> Any:
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    words = ["good", "bad", "film", "plot", "actor", "boring", "great", "story", "the", "a"]
+    lengths = torch.randint(5, 48, (n,), generator=g).tolist()
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, 10, (k,), generator=g)) for k in lengths]
+    table = datasets.Dataset.from_dict({"text": texts, "labels": [i % 2 for i in range(n)]})
+    return table.map(lambda b: tokenizer(b["text"], truncation=True, max_length=64), remove_columns=["text"])
+
+
+def measure(side: str, cfg: Config) -> dict[str, Any]:
+    from opacus_spectral.hf import DPTrainer
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from ..data import minilm_path
+
+    path = minilm_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = side
+    data = _dataset(tokenizer, cfg.records)
+    with torch.random.fork_rng(devices=[]):  # the classifier head and LoRA are drawn from the global RNG
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    with torch.no_grad():  # the warm-up forward the first step would otherwise pay inside the check
+        model(**DataCollatorWithPadding(tokenizer)([data[0], data[1]]).data)
+
+    class Steps(TrainerCallback):
+        times: list[float] = []
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+    steps = Steps()
+    args = TrainingArguments(
+        tempfile.mkdtemp(),
+        per_device_train_batch_size=cfg.batch,
+        max_steps=cfg.steps,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            noise_multiplier=1.0,
+            target_delta=1e-5,
+            callbacks=[steps],
+        )
+        try:
+            trainer.train()
+        except BatchDependenceError:
+            pass  # refused before the first step: only the check was timed
+    check = trainer.batch_check_result
+    return {
+        "check_s": check.seconds,
+        "step_s_median": statistics.median(steps.times[1:]) if len(steps.times) > 1 else None,
+        "independent": check.outcome.independent,
+        "worst_relative_difference": check.outcome.worst,
+        "refused": not check.outcome.independent,
+        "position_ids_from_mask": trainer.position_ids_from_mask,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(Config, argv, prog="dp-bench batch-check-cost", description=__doc__.split("\n")[0])
+    res = {
+        "command": "OMP_NUM_THREADS=2 " + command_line("batch-check-cost", argv),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "batch": cfg.batch,
+        "sides": {side: measure(side, cfg) for side in ("right", "left")},
+    }
+    step = res["sides"]["right"]["step_s_median"]
+    res["check_over_step"] = {side: r["check_s"] / step for side, r in res["sides"].items()}
+    for side, r in res["sides"].items():
+        outcome = "refused (BatchDependenceError)" if r["refused"] else "trained"
+        fix = ", position_ids from the mask" if r["position_ids_from_mask"] else ""
+        print(
+            f"{side} padding: check {r['check_s']:.3f} s once = {res['check_over_step'][side]:.2f} DP steps; "
+            f"{outcome}{fix}"
+        )
+    cfg.out.write_text(json.dumps(res, indent=2))
+    return res
