@@ -20,7 +20,8 @@ from dp_bench.commands import federated_report as report  # noqa: E402
 from dp_bench.fixed_head import FixedLinear, fix_classifier  # noqa: E402
 from dp_bench.lr_rule import lr_edge_step  # noqa: E402
 from dp_bench.probe import gradient_share  # noqa: E402
-from peft_lalora.federated.federation import FederationConfig, build_partition, build_task, make_peft_model  # noqa: E402
+from peft_lalora.federated.builders import build_partition, build_task, make_peft_model  # noqa: E402
+from peft_lalora.federated.config import FederationConfig  # noqa: E402
 
 T975_2 = 4.302652729911275  # two-sided 95 % t quantile, 2 degrees of freedom
 

@@ -1,5 +1,4 @@
-"""Spectrum reports (``opacus_spectral.spectrum_report``): spectral entropy, oracle cosine report, spectrum plot;
-and the deprecated ``opacus_spectral.diagnostics`` alias."""
+"""Spectrum reports (``opacus_spectral.spectrum_report``): spectral entropy, oracle cosine report, spectrum plot."""
 
 from __future__ import annotations
 
@@ -53,19 +52,3 @@ def test_plot_spectrum_writes_png(tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     conv = plot_spectrum(None, noisy.reshape(30, 4, 10), noisy.reshape(30, 4, 10), 0.1, tmp_path / "c.png")
     assert Path(conv).exists()
-
-
-def test_deprecated_diagnostics_module_warns_and_re_exports() -> None:
-    import importlib
-    import sys
-
-    sys.modules.pop("opacus_spectral.diagnostics", None)
-    with pytest.warns(DeprecationWarning, match="opacus_spectral.spectrum_report"):
-        old = importlib.import_module("opacus_spectral.diagnostics")
-    assert (old.cosine_report, old.plot_spectrum, old.spectral_entropy) == (
-        cosine_report,
-        plot_spectrum,
-        spectral_entropy,
-    )
-    sv = torch.tensor([[2.0, 1.0, 0.5]])
-    assert torch.equal(old.spectral_entropy(sv, normalized=True), spectral_entropy(sv, normalized=True))

@@ -125,7 +125,7 @@ def test_lowpass_axis_per_role() -> None:
     assert not torch.allclose(out[1], F.binomial5(b, axis=1))
     assert out[2] is not None and torch.equal(out[2], F.binomial5(recs[2].tensor, axis=1))
     assert out[3:] == [None, None, None]  # weight untouched by default, 1-D off by default
-    assert d.diagnostics == {"filtered": 3}
+    assert d.stats == {"filtered": 3}
     # smoothing a pure-noise A along its input axis cuts its variance to ≈ 0.273 (interior)
     noise = rnd(64, 4096, seed=9, dtype=torch.float32)
     sm = LowPassDenoiser()([rec("x.lora_A", "lora_A", noise)])[0]
@@ -141,9 +141,9 @@ def test_lowpass_weight_axis_vectors_and_options() -> None:
     assert out[5] is not None and torch.equal(out[5], F.binomial5(conv.reshape(8, -1), axis=1).reshape(conv.shape))
     lap = LowPassDenoiser(kernel="laplacian", laplacian_dims=2)(recs)
     assert lap[0] is not None and torch.allclose(lap[0], F.laplacian_smooth(recs[0].tensor, 1.0, (0, 1)))
-    lap1 = LowPassDenoiser(kernel="laplacian", sigma=2.0)(recs)
+    lap1 = LowPassDenoiser(kernel="laplacian", kernel_width=2.0)(recs)
     assert lap1[1] is not None and torch.allclose(lap1[1], F.laplacian_smooth(recs[1].tensor, 2.0, 0))
-    gau = LowPassDenoiser(kernel="gaussian", sigma=0.8)(recs)
+    gau = LowPassDenoiser(kernel="gaussian", kernel_width=0.8)(recs)
     assert gau[0] is not None and torch.allclose(gau[0], F.gaussian(recs[0].tensor, 0.8, axis=1))
     sel = LowPassDenoiser(params=["enc.1"], role_axes={"lora_B": None})(recs)
     assert [o is not None for o in sel] == [False, False, True, False, False, False]
@@ -151,8 +151,8 @@ def test_lowpass_weight_axis_vectors_and_options() -> None:
         {"kernel": "box"},
         {"laplacian_dims": 3},
         {"weight_axis": 2},
-        {"kernel": "gaussian", "sigma": -1.0},
-        {"sigma": 1.0},
+        {"kernel": "gaussian", "kernel_width": -1.0},
+        {"kernel_width": 1.0},
         {"laplacian_dims": 2},
     ):
         with pytest.raises(ValueError):
@@ -180,7 +180,7 @@ def test_lowpass_sigma_zero_unchanged() -> None:
     [
         {},
         {"kernel": "laplacian", "laplacian_dims": 2},
-        {"kernel": "gaussian", "sigma": 1.5, "weight_axis": 0, "vectors": True},
+        {"kernel": "gaussian", "kernel_width": 1.5, "weight_axis": 0, "vectors": True},
     ],
 )
 def test_lowpass_conformance_kit(kwargs: dict[str, object]) -> None:

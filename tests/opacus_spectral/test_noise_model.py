@@ -14,7 +14,8 @@ import torch
 from engine_helpers import Recorder
 from opacus_spectral.parameters import ParamInfo
 from opacus_spectral.pipeline import PostNoisePipeline
-from opacus_spectral.spectral import rmt_denoise, shrink_singular_values
+from opacus_spectral.rmt import rmt_denoise
+from opacus_spectral.spectral import shrink_singular_values
 from opacus_spectral.testing import check_denoiser
 from torch import nn
 

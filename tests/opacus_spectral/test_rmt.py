@@ -7,12 +7,11 @@ import os
 
 import pytest
 import torch
-from opacus_spectral.rmt import PAPER_SETTING
+from opacus_spectral.rmt import PAPER_SETTING, DenoiseResult, rmt_denoise
 from opacus_spectral.rmt import RMTDenoiser as _RMTDenoiser
 from opacus_spectral.rmt import denoiser as rmt_mod
 
 from opacus_spectral import NoisyGradient
-from opacus_spectral import spectral as S
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 
@@ -31,7 +30,7 @@ def rec(name: str, role: str, t: torch.Tensor, sigma: float = 0.1, layer: str | 
 
 def RMTDenoiser(**kw: object) -> _RMTDenoiser:  # noqa: N802
     """Paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin paper A's
-    formulas against ``spectral.rmt_denoise``; the library's defaults are pinned by ``test_defaults_...``."""
+    formulas against ``rmt.rmt_denoise``; the library's defaults are pinned by ``test_defaults_...``."""
     return _RMTDenoiser(**{"gate": "kappa", "norm_correction": "noisy", **kw})  # type: ignore[arg-type]
 
 
@@ -72,7 +71,7 @@ def run(d: _RMTDenoiser, recs: list[NoisyGradient]) -> tuple[list[torch.Tensor],
 
 def expected(t: torch.Tensor, sigma: float, **kw: object) -> torch.Tensor:
     mat = t if t.dim() == 2 else t.reshape(t.shape[0], -1)
-    return S.rmt_denoise(mat, sigma, **{**PAPER_SETTING, **kw}).tensor.reshape(t.shape)  # type: ignore[arg-type]
+    return rmt_denoise(mat, sigma, **{**PAPER_SETTING, **kw}).tensor.reshape(t.shape)  # type: ignore[arg-type]
 
 
 def test_acts_on_every_matrix_role_and_shape() -> None:
@@ -156,7 +155,7 @@ def test_groups_by_shape_and_dtype_one_call_each(monkeypatch: pytest.MonkeyPatch
     calls: list[tuple[tuple[int, ...], torch.dtype]] = []
     real = rmt_mod.rmt_denoise
 
-    def spy(g: torch.Tensor, sigma: torch.Tensor, **kw: object) -> S.DenoiseResult:
+    def spy(g: torch.Tensor, sigma: torch.Tensor, **kw: object) -> DenoiseResult:
         calls.append((tuple(g.shape), g.dtype))
         return real(g, sigma, **kw)  # type: ignore[arg-type]
 
@@ -209,7 +208,7 @@ def test_tracy_widom_gate_option() -> None:
     s = 0.1
     t = spiked_matrix(8, 300, s, 5)
     d = RMTDenoiser(gate="tracy_widom", false_alarm=1e-3)
-    ref = S.rmt_denoise(t, s, gate="tracy_widom", false_alarm=1e-3, norm_correction="noisy").tensor
+    ref = rmt_denoise(t, s, gate="tracy_widom", false_alarm=1e-3, norm_correction="noisy").tensor
     (out,), _ = run(d, [rec("q.lora_A", "lora_A", t, sigma=s)])
     assert torch.equal(out, ref) and int(d.stats["gated"]) == 1
     with pytest.raises(ValueError):
@@ -283,7 +282,7 @@ def test_lone_matrix_is_denoised_in_its_own_memory(monkeypatch: pytest.MonkeyPat
     seen: list[int] = []
     real = rmt_mod.rmt_denoise
 
-    def spy(g: torch.Tensor, sigma: float, **kw: object) -> S.DenoiseResult:
+    def spy(g: torch.Tensor, sigma: float, **kw: object) -> DenoiseResult:
         seen.append(g.data_ptr())
         return real(g, sigma, **kw)  # type: ignore[arg-type]
 
@@ -302,7 +301,7 @@ def test_chunks_are_bounded_by_max_extra_memory(monkeypatch: pytest.MonkeyPatch)
     sizes: list[int] = []
     real = rmt_mod.rmt_denoise
 
-    def spy(g: torch.Tensor, sigma: float, **kw: object) -> S.DenoiseResult:
+    def spy(g: torch.Tensor, sigma: float, **kw: object) -> DenoiseResult:
         sizes.append(g.shape[0])
         return real(g, sigma, **kw)  # type: ignore[arg-type]
 

@@ -1,11 +1,10 @@
-"""RMTSettings (validated once, one set of defaults), rmt_denoise's stage results, RMTDenoiser's settings and
-its deprecated names (``docs/denoisers.md``, ``docs/math.md`` §1)."""
+"""RMTSettings (validated once, one set of defaults), rmt_denoise's stage results and RMTDenoiser's settings
+(``docs/denoisers.md``, ``docs/math.md`` §1)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from opacus_spectral.rmt import (
 )
 from opacus_spectral.rmt import denoiser as denoiser_mod
 
-from opacus_spectral import NoisyGradient, spectral
+from opacus_spectral import NoisyGradient
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 
@@ -177,23 +176,11 @@ def test_the_denoiser_uses_the_tau_of_the_result(monkeypatch: pytest.MonkeyPatch
     assert int(d.stats["marginal"]) == marginal > 0 and int(d.stats["gated"]) == int(res.gated.sum())  # type: ignore[union-attr]
 
 
-def test_diagnostics_flag_and_dict_are_deprecated_names() -> None:
-    x = spiked(2, 24, 40, 0.1, (3.0,), seed=6)
-    with pytest.warns(DeprecationWarning, match="per_matrix_stats"):
-        old = RMTDenoiser(diagnostics=True)
-    assert old.per_matrix_stats and not RMTDenoiser().per_matrix_stats
-    old(recs(x, 0.1))
-    new = RMTDenoiser(per_matrix_stats=True)
-    new(recs(x, 0.1))
-    assert set(old.stats["per_matrix"]) == set(new.stats["per_matrix"]) == {"l0.weight", "l1.weight"}
-    with pytest.warns(DeprecationWarning, match="stats"):
-        assert old.diagnostics is old.stats
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        RMTDenoiser(per_matrix_stats=True)  # the new name does not warn
-    with pytest.warns(DeprecationWarning, match="per_matrix_stats"):
-        paper = get_registry().create(("rmt_paper", {"diagnostics": True}))  # the harness' form keeps working
-    assert paper.per_matrix_stats and paper.settings == PAPER_SETTINGS
+def test_per_matrix_stats_in_the_harness_form_and_no_other_name() -> None:
+    paper = get_registry().create(("rmt_paper", {"per_matrix_stats": True}))  # as dp-bench regime-map builds it
+    assert paper.per_matrix_stats and paper.settings == PAPER_SETTINGS and not RMTDenoiser().per_matrix_stats
+    with pytest.raises(TypeError, match="diagnostics"):
+        RMTDenoiser(diagnostics=True)  # type: ignore[call-arg]
 
 
 def test_the_declared_selector_and_the_thin_selects() -> None:
@@ -205,15 +192,3 @@ def test_the_declared_selector_and_the_thin_selects() -> None:
     assert (d.gate, d.kappa, d.compute_dtype) == ("tracy_widom", 1.02, torch.float32)  # settings read through
     with pytest.raises(AttributeError, match="nope"):
         _ = d.nope  # type: ignore[attr-defined]
-
-
-def test_the_moved_names_still_import_from_spectral() -> None:
-    from opacus_spectral.spectral import DenoiseResult, resolve_norm_correction
-    from opacus_spectral.spectral import rmt_denoise as old_home
-
-    from opacus_spectral import rmt
-
-    assert old_home is rmt.rmt_denoise and DenoiseResult is rmt.DenoiseResult
-    assert resolve_norm_correction(True) == "noisy" and spectral.EIGH_MAX == rmt.EIGH_MAX
-    with pytest.raises(AttributeError, match="nope"):
-        _ = spectral.nope  # type: ignore[attr-defined]

@@ -10,19 +10,18 @@ import os
 
 import pytest
 import torch
-from opacus_spectral.rmt import PAPER_SETTING
+from opacus_spectral.rmt import PAPER_SETTING, DenoiseResult, rmt_denoise
 
 from opacus_spectral import screen as K
-from opacus_spectral import spectral as S
 
 DEVICE = torch.device(os.environ.get("OPACUS_SPECTRAL_TEST_DEVICE", "cpu"))
 F64 = torch.float64
 
 
-def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> S.DenoiseResult:
+def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> DenoiseResult:
     """``rmt_denoise`` in paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin
     paper A's formulas; the defaults are ``RMTSettings``'s (``tests/opacus_spectral/test_rmt_settings.py``)."""
-    return S.rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
+    return rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
 
 
 def noise_with_spikes(

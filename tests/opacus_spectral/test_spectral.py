@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from opacus_spectral.rmt import PAPER_SETTING
+from opacus_spectral.rmt import PAPER_SETTING, DenoiseResult, rmt_denoise
 
 from opacus_spectral import spectral as S
 
@@ -21,10 +21,10 @@ F64 = torch.float64
 HYP = settings(max_examples=25, deadline=None, derandomize=True)
 
 
-def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> S.DenoiseResult:
+def paper_denoise(g: torch.Tensor, sigma: torch.Tensor | float, **kw: object) -> DenoiseResult:
     """``rmt_denoise`` in paper A's setting (κ gate, noisy-norm rescale) unless a test overrides it: these tests pin
     paper A's formulas; the defaults are ``RMTSettings``'s (``tests/opacus_spectral/test_rmt_settings.py``)."""
-    return S.rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
+    return rmt_denoise(g, sigma, **{**PAPER_SETTING, **kw})  # type: ignore[arg-type]
 
 
 def gavish_donoho(obs: torch.Tensor, s: float, m: int, n: int) -> torch.Tensor:

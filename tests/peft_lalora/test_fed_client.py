@@ -285,19 +285,6 @@ def test_a_client_without_noise_is_refused_unless_opted_in():
     assert ClientConfig(noise_multiplier=0.0, allow_non_private=True).allow_non_private
 
 
-def test_fit_takes_flower_server_round_and_the_deprecated_round_index_means_the_same():
-    cfg, task, part, g = _setup(algo="rolora", local_steps=1, reproducible_noise=True)
-    with pytest.warns(ReproducibleNoiseWarning):
-        new, old = build_client(cfg, task, part, 0), build_client(cfg, task, part, 0)
-    u_new = new.fit(g, server_round=2)
-    with pytest.warns(DeprecationWarning, match="round_index=.*deprecated.*server_round"):
-        u_old = old.fit(g, round_index=2)
-    assert u_new.round == u_old.round == 2 and _same(u_new.state, u_old.state)
-    assert new.controller.round == old.controller.round == 1  # schedule round = server_round - 1 (RoLoRA: A)
-    with pytest.raises(TypeError, match="not both"):
-        new.fit(g, 3, round_index=3)
-
-
 def test_privacy_parameters_calibrate_with_the_one_noise_multiplier_function():
     from opacus.accountants.utils import get_noise_multiplier
     from opacus_spectral.noise_multiplier import noise_multiplier_for

@@ -1,16 +1,14 @@
 """How the federated package is put together: the run's configuration reaches the client settings and the task
 settings by explicit construction (a field added on one side fails here until the builder names it), the
-configuration imports none of its builders, no import circle among the package's modules, the Flower deployment
-behind its subpackage, and the old import paths still working (deprecated)."""
+configuration imports none of its builders, no import circle among the package's modules and the Flower deployment
+behind its subpackage."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -82,15 +80,6 @@ def test_task_factories_get_the_task_settings():
         TaskSettings(test_fraction=1.0)
 
 
-def test_deprecated_client_config_method_gives_the_same_settings():
-    from peft_lalora.federated.builders import client_config
-    from peft_lalora.federated.config import FederationConfig
-
-    cfg = FederationConfig(filter="binomial5")
-    with pytest.warns(DeprecationWarning, match="builders.client_config"):
-        assert cfg.client_config() == client_config(cfg)
-
-
 def _imported_after(statement: str) -> set[str]:
     code = f"import sys\n{statement}\nprint(' '.join(sorted(sys.modules)))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -152,35 +141,6 @@ def test_no_import_circle_among_the_federated_modules():
 
     for name in sorted(graph):
         visit(name, [])
-
-
-@pytest.mark.parametrize(
-    ("old", "name", "new"),
-    [
-        ("peft_lalora.federated.federation", "FederationConfig", "peft_lalora.federated.config"),
-        ("peft_lalora.federated.federation", "make_peft_model", "peft_lalora.federated.builders"),
-        ("peft_lalora.federated.launcher", "run_flower", "peft_lalora.federated.flower.run"),
-        ("peft_lalora.federated.launcher", "LocalFederation", "peft_lalora.federated.flower.launcher"),
-        ("peft_lalora.federated.launcher", "TLSConfig", "peft_lalora.federated.flower.certificates"),
-    ],
-)
-def test_old_import_paths_still_work_and_warn(monkeypatch, old, name, new):
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        module = importlib.import_module(old)
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
-
-
-def test_the_old_flower_app_path_still_names_the_components(monkeypatch):
-    pytest.importorskip("flwr")
-    from peft_lalora.federated.flower import app
-
-    monkeypatch.delitem(sys.modules, "peft_lalora.federated.flower_app", raising=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module("peft_lalora.federated.flower_app")
-    assert any("flower.app:server_app" in str(w.message) for w in caught)
-    assert (old.server_app, old.client_app) == (app.server_app, app.client_app)
 
 
 def test_one_table_between_algo_and_alternation():

@@ -96,22 +96,16 @@ def test_start_round_semantics() -> None:
         ctrl.start_round(server_round=True)
 
 
-def test_deprecated_zero_based_round_index_is_server_round_minus_one() -> None:
-    results = []
-    for call in ({"server_round": 4}, {"round_index": 3}, {"positional": 3}):
-        model = build("bert", alternation="round", first_factor="A")
-        ctrl = AlternationController(model, _adamw(model))
-        if "server_round" in call:
-            ctrl.start_round(**call)
-        else:
-            with pytest.warns(DeprecationWarning, match="server_round=round_index \\+ 1"):
-                ctrl.start_round(call["round_index"]) if "round_index" in call else ctrl.start_round(3)
-        results.append((ctrl.round, ctrl.server_round, ctrl.phase, ctrl.state_dict()["round"]))
-    assert results == [(3, 4, "B", 3)] * 3  # RoLoRA: first_factor in odd server rounds
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="round_index must be >= 0"):
-        ctrl.start_round(-1)
-    with pytest.raises(TypeError, match="not both"):
-        ctrl.start_round(1, server_round=2)
+def test_start_round_takes_server_round_by_keyword_only() -> None:
+    """A positional round (the removed 0-based ``round_index``) is refused, never read as a 1-based round."""
+    model = build("bert", alternation="round", first_factor="A")
+    ctrl = AlternationController(model, _adamw(model))
+    with pytest.raises(TypeError):
+        ctrl.start_round(3)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ctrl.start_round(round_index=3)  # type: ignore[call-arg]
+    ctrl.start_round(server_round=4)
+    assert (ctrl.round, ctrl.server_round, ctrl.phase, ctrl.state_dict()["round"]) == (3, 4, "B", 3)
 
 
 def test_schedule_is_passed_not_rediscovered() -> None:

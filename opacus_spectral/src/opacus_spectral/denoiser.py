@@ -8,7 +8,6 @@ state (``state_dict``/``load_state_dict``/``reset``) and ``gradient_estimator(mo
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,7 +56,7 @@ class Denoiser:
     Subclasses implement :meth:`__call__`. Stateful denoisers override :meth:`state_dict`,
     :meth:`load_state_dict` and :meth:`reset`. A denoiser may publish per-step numbers in
     ``self.stats`` (a dict, values may be tensors — the pipeline never syncs them); the pipeline copies them into
-    the step's :class:`~opacus_spectral.StepDiagnostics`. ``self.diagnostics`` is the deprecated name of ``stats``.
+    the step's :class:`~opacus_spectral.StepDiagnostics`.
     """
 
     #: registry name; set by subclasses
@@ -76,25 +75,6 @@ class Denoiser:
 
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
-
-    @property
-    def diagnostics(self) -> dict[str, Any]:
-        """Deprecated name of :attr:`stats` ("diagnostics" are the pipeline's per-step records)."""
-        warnings.warn(
-            f"{type(self).__name__}.diagnostics is deprecated: read {type(self).__name__}.stats",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.stats
-
-    @diagnostics.setter
-    def diagnostics(self, value: dict[str, Any]) -> None:
-        warnings.warn(
-            f"{type(self).__name__}.diagnostics is deprecated: publish per-step numbers in self.stats",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.stats = value
 
     def __call__(self, grads: Sequence[NoisyGradient]) -> Sequence[torch.Tensor | None] | None:
         raise NotImplementedError
@@ -154,45 +134,19 @@ def declares_noise(d: object) -> bool:
 
 
 def declared_selector(d: object) -> Selector | None:
-    """The :class:`~opacus_spectral.selection.Selector` the pipeline applies for ``d``; ``None`` hands it every
-    record: ``d`` declares none (a plain callable, or the older contract: a ``selects`` method of its own and
-    ``selector()`` text), so it selects by itself."""
+    """The :class:`~opacus_spectral.selection.Selector` the pipeline applies for ``d`` (its ``selector``
+    attribute); ``None`` hands it every record (a plain callable declares none)."""
     selector = getattr(d, "selector", None)
-    if not isinstance(selector, Selector):
-        return None
-    if selector is Denoiser.selector and getattr(type(d), "selects", Denoiser.selects) is not Denoiser.selects:
-        return None  # a subclass that kept its own ``selects`` and the inherited select-all selector
-    return selector
+    return selector if isinstance(selector, Selector) else None
 
 
 def selects_record(d: object, name: str, role: str) -> bool:
-    """Whether ``d`` selects the parameter: its declared selector, else its own ``selects`` (none: every one)."""
+    """Whether ``d`` selects the parameter: its declared selector (none: every one)."""
     selector = declared_selector(d)
-    if selector is not None:
-        return selector.matches(name, role)
-    selects = getattr(d, "selects", None)
-    return selects is None or bool(selects(name, role))
-
-
-def describe_selector(d: object) -> str:
-    """How ``d``'s selector is shown in messages."""
-    selector = declared_selector(d)
-    if selector is not None:
-        return str(selector)
-    text = getattr(d, "selector", None)
-    if isinstance(text, Selector):
-        return f"its own selects() method ({type(d).__name__})"
-    return text() if callable(text) else "?"
+    return selector is None or selector.matches(name, role)
 
 
 def published_stats(d: object) -> dict[str, Any] | None:
-    """The per-step numbers ``d`` published (``d.stats``; a callable that is no :class:`Denoiser` may still use the
-    older name ``diagnostics``), or ``None``."""
+    """The per-step numbers ``d`` published (``d.stats``), or ``None``."""
     stats = getattr(d, "stats", None)
-    if isinstance(stats, dict):
-        return stats
-    if not isinstance(d, Denoiser):
-        older = getattr(d, "diagnostics", None)
-        if isinstance(older, dict):
-            return older
-    return None
+    return stats if isinstance(stats, dict) else None

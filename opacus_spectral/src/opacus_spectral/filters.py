@@ -11,8 +11,8 @@ Models", arXiv 2602.19926) and of its public reference code:
 * :func:`laplacian_smooth` — ``(I − wΔ)⁻¹`` (``w`` = ``width``) with the circular discrete Laplacian, solved
   exactly by FFT (paper B's reference code), over one axis or two; response ``1/(1 + 4w Σ_d sin²(ω_d/2))`` (§2.3).
 
-The kernel width is ``width`` (``docs/math.md`` writes it σ; ``sigma=`` is accepted as a deprecated keyword):
-in this package ``sigma`` names the per-entry noise std only.
+The kernel width is ``width`` (``docs/math.md`` writes it σ): in this package ``sigma`` names the per-entry noise
+std only.
 
 "Symmetric" padding is half-sample symmetric (the edge sample is repeated: ``… b a | a b c …``, NumPy's
 ``mode="symmetric"``). All functions filter along ``axis`` of a tensor of any shape (so a leading batch
@@ -23,7 +23,6 @@ computed in float32.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -42,24 +41,6 @@ __all__ = [
 
 #: Paper B's kernel (``docs/math.md`` §2.1).
 BINOMIAL5: tuple[float, ...] = (1 / 16, 4 / 16, 6 / 16, 4 / 16, 1 / 16)
-
-
-def _width(width: float | None, sigma: float | None, where: str, default: float | None = None) -> float:
-    """``width``, or its deprecated keyword name ``sigma`` (with a ``DeprecationWarning``)."""
-    if sigma is not None:
-        if width is not None:
-            raise TypeError(f"{where}: pass width= only (sigma= is its deprecated name)")
-        warnings.warn(
-            f"{where}(sigma=...) is deprecated: the kernel width is width= (sigma is the noise std)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return sigma
-    if width is None:
-        if default is None:
-            raise TypeError(f"{where}() missing required argument: 'width'")
-        return default
-    return width
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -100,10 +81,9 @@ def binomial5(x: Tensor, axis: int = -1) -> Tensor:
     return apply_kernel(x, BINOMIAL5, axis)
 
 
-def gaussian_kernel(width: float | None = None, truncate: float = 4.0, *, sigma: float | None = None) -> Tensor:
+def gaussian_kernel(width: float, truncate: float = 4.0) -> Tensor:
     """Sampled Gaussian ``exp(−k²/(2w²))`` on ``|k| ≤ ceil(truncate·w)``, ``w`` = ``width``, normalised to sum 1
     (float64)."""
-    width = _width(width, sigma, "gaussian_kernel")
     if not (math.isfinite(width) and width > 0):
         raise ValueError(f"gaussian width must be positive and finite, got {width!r}")
     radius = max(1, math.ceil(truncate * width))
@@ -112,20 +92,16 @@ def gaussian_kernel(width: float | None = None, truncate: float = 4.0, *, sigma:
     return h / h.sum()
 
 
-def gaussian(
-    x: Tensor, width: float | None = None, axis: int = -1, truncate: float = 4.0, *, sigma: float | None = None
-) -> Tensor:
+def gaussian(x: Tensor, width: float, axis: int = -1, truncate: float = 4.0) -> Tensor:
     """Gaussian smoothing of std ``width`` (in samples) along ``axis``, symmetric padding."""
-    return apply_kernel(x, gaussian_kernel(_width(width, sigma, "gaussian"), truncate), axis)
+    return apply_kernel(x, gaussian_kernel(width, truncate), axis)
 
 
 def laplacian_response(
     sizes: Sequence[int],
-    width: float | None = None,
+    width: float,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
-    *,
-    sigma: float | None = None,
 ) -> Tensor:
     """Frequency response of ``(I − wΔ)⁻¹`` on a periodic grid: ``1/(1 + 4w Σ_d sin²(π k_d / N_d))``.
 
@@ -138,19 +114,16 @@ def laplacian_response(
         shape = [1] * len(sizes)
         shape[d] = size
         total = total + term.reshape(shape)
-    return 1.0 / (1.0 + 4.0 * _width(width, sigma, "laplacian_response") * total)
+    return 1.0 / (1.0 + 4.0 * width * total)
 
 
-def laplacian_smooth(
-    x: Tensor, width: float | None = None, axes: int | Sequence[int] = -1, *, sigma: float | None = None
-) -> Tensor:
+def laplacian_smooth(x: Tensor, width: float = 1.0, axes: int | Sequence[int] = -1) -> Tensor:
     """Laplacian smoothing ``(I − wΔ)⁻¹ x`` (``w`` = ``width``, default 1) with circular boundaries over ``axes``
     (1 or more), by FFT.
 
     ``Δ`` is the sum over ``axes`` of the periodic second difference ``x[i−1] − 2x[i] + x[i+1]``, whose
     Fourier symbol is ``−4 sin²(ω/2)`` (paper B's reference code uses ``w = 1`` over both axes; ``docs/math.md`` §3.4).
     """
-    width = _width(width, sigma, "laplacian_smooth", default=1.0)
     if not (math.isfinite(width) and width >= 0):
         raise ValueError(f"laplacian width must be >= 0 and finite, got {width!r}")
     if x.numel() == 0:

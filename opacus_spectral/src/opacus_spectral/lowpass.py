@@ -11,7 +11,6 @@ is handed (``params=``, the roles with an axis) is its :attr:`~LowPassDenoiser.s
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -37,8 +36,7 @@ class LowPassDenoiser(Denoiser):
             ``"gaussian"`` (std ``kernel_width`` samples, symmetric padding) or ``"laplacian"`` (``(I − wΔ)⁻¹``,
             ``w`` = ``kernel_width``, circular, by FFT; paper B's reference code).
         kernel_width: kernel width for ``gaussian`` (default 1.0) / ``laplacian`` (default 1.0, the reference
-            code); ``sigma=`` is its deprecated name. Not the noise std — that is ``record.sigma`` and a fixed
-            filter does not use it.
+            code). Not the noise std — that is ``record.sigma`` and a fixed filter does not use it.
         laplacian_dims: 1 (along the role's axis) or 2 (over both matrix axes, incl. the rank axis, like
             the reference code).
         weight_axis: axis for other ≥2-D ``weight`` gradients (conv kernels are viewed as
@@ -67,10 +65,8 @@ class LowPassDenoiser(Denoiser):
         role_axes: Mapping[str, int | None] | None = None,
         params: ParamFilter = None,
         truncate: float = 4.0,
-        sigma: float | None = None,
     ) -> None:
         super().__init__()
-        kernel_width = _kernel_width(kernel_width, sigma)
         if kernel not in ("binomial5", "gaussian", "laplacian"):
             raise ValueError(f"kernel must be 'binomial5', 'gaussian' or 'laplacian', got {kernel!r}")
         if kernel == "binomial5" and kernel_width is not None:
@@ -106,16 +102,6 @@ class LowPassDenoiser(Denoiser):
     @property
     def params(self) -> ParamFilter:
         return self.selector.params
-
-    @property
-    def sigma(self) -> float:
-        """Deprecated name of :attr:`kernel_width`."""
-        warnings.warn(
-            "LowPassDenoiser.sigma is deprecated: read kernel_width (sigma is the noise std)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.kernel_width
 
     def axis_for(self, rec: NoisyGradient) -> tuple[Tensor, int] | None:
         """(tensor view, axis) to filter ``rec`` along, or ``None`` to leave it untouched."""
@@ -164,17 +150,3 @@ class LowPassDenoiser(Denoiser):
     def __repr__(self) -> str:
         extra = "" if self.kernel == "binomial5" else f", kernel_width={self.kernel_width}"
         return f"LowPassDenoiser(kernel={self.kernel!r}{extra}, role_axes={self.role_axes})"
-
-
-def _kernel_width(kernel_width: float | None, sigma: float | None) -> float | None:
-    """``kernel_width``, or its deprecated keyword name ``sigma`` (with a ``DeprecationWarning``)."""
-    if sigma is None:
-        return kernel_width
-    if kernel_width is not None:
-        raise TypeError("LowPassDenoiser: pass kernel_width= only (sigma= is its deprecated name)")
-    warnings.warn(
-        "LowPassDenoiser(sigma=...) is deprecated: the kernel width is kernel_width= (sigma is the noise std)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return sigma

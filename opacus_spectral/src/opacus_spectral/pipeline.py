@@ -44,15 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from .denoiser import (
-    DenoiserProtocol,
-    GradientEstimator,
-    declared_selector,
-    denoiser_name,
-    describe_selector,
-    published_stats,
-)
-from .denoiser import selects_record as _selects_record
+from .denoiser import DenoiserProtocol, GradientEstimator, declared_selector, denoiser_name, published_stats
 from .noise_state import NoiseState
 from .oracle import cosine
 from .parameters import ParamInfo
@@ -168,17 +160,16 @@ class PostNoisePipeline:
         return names
 
     def check_selection(self, infos: Sequence[ParamInfo]) -> None:
-        """Warn once per denoiser whose selector (:func:`~opacus_spectral.denoiser.selects_record`) matches none
-        of ``infos``."""
+        """Warn once per denoiser whose declared selector (:func:`~opacus_spectral.denoiser.declared_selector`)
+        matches none of ``infos``."""
         for d, dname in zip(self.denoisers, self.names, strict=True):
-            if not infos or (declared_selector(d) is None and getattr(d, "selects", None) is None):
-                continue
-            if any(_selects_record(d, i.name, i.role) for i in infos):
+            selector = declared_selector(d)
+            if not infos or selector is None or any(selector.matches(i.name, i.role) for i in infos):
                 continue
             roles = sorted({i.role for i in infos})
             warnings.warn(
                 f"denoiser {dname!r} selects none of the {len(infos)} parameters of this optimizer (their roles: "
-                f"{roles}); its selector is {describe_selector(d)}. It will do nothing.",
+                f"{roles}); its selector is {selector}. It will do nothing.",
                 RuntimeWarning,
                 stacklevel=4,
             )

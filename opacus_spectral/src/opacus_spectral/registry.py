@@ -34,9 +34,6 @@ ENTRY_POINT_GROUP = "opacus_spectral"
 #: one item of ``post_hooks``: a registered denoiser name, a ``(name, kwargs)`` pair or a denoiser callable
 DenoiserSpec = str | tuple[str, Mapping[str, Any]] | DenoiserProtocol
 
-#: Deprecated alias of :data:`DenoiserSpec` (the old name suggested a pluggy hookspec, which it is not).
-HookSpec = DenoiserSpec
-
 
 class DenoiserBuildError(ValueError):
     """Building a named denoiser of ``post_hooks`` failed; names the denoiser, plugin and distribution.

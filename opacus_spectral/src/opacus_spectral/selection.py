@@ -9,7 +9,6 @@ installation (:meth:`~opacus_spectral.pipeline.PostNoisePipeline.check_selection
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -105,12 +104,3 @@ class Selector:
     def __str__(self) -> str:
         roles = "all roles" if self.roles is None else f"roles={sorted(self.roles)}"
         return f"{roles}, {describe_param_filter(self.params)}"
-
-    def __call__(self) -> str:
-        """Deprecated: ``denoiser.selector()`` was the text of the selector; use ``str(denoiser.selector)``."""
-        warnings.warn(
-            "denoiser.selector() is deprecated: selector is now a Selector attribute; use str(denoiser.selector)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return str(self)

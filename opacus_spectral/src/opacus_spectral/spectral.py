@@ -13,15 +13,13 @@ per-entry noise std. The maps here act elementwise on singular values (any batch
   Johnstone 2001; optional Ma 2012 second-order centering; :mod:`opacus_spectral.tracy_widom`).
 
 Denoising a batch of matrices with them (gate, spikes, reconstruction, norm correction) is
-:func:`opacus_spectral.rmt.rmt_denoise`; its settings are :class:`opacus_spectral.rmt.RMTSettings`. The names
-that lived here before (``rmt_denoise``, ``DenoiseResult``, ``resolve_norm_correction``, …) still import from
-this module.
+:func:`opacus_spectral.rmt.rmt_denoise`; its settings are :class:`opacus_spectral.rmt.RMTSettings`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -42,30 +40,6 @@ __all__ = [
 ]
 
 Gate = Literal["kappa", "tracy_widom"]
-#: names that moved to :mod:`opacus_spectral.rmt` (its settings and batched stages), still importable from here
-MOVED: frozenset[str] = frozenset(
-    {
-        "DenoiseResult",
-        "EIGH_MAX",
-        "Method",
-        "NORM_CORRECTIONS",
-        "NormCorrection",
-        "Screen",
-        "resolve_norm_correction",
-        "resolve_residual",
-        "rmt_denoise",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    """The names in :data:`MOVED`, from :mod:`opacus_spectral.rmt` on first use (which imports this module)."""
-    if name in MOVED:
-        from . import rmt  # noqa: PLC0415 - deferred: the rmt package imports this module
-
-        return getattr(rmt, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 # --------------------------------------------------------------------------------------------------
 # Scalar RMT maps (elementwise on tensors; m, n are Python numbers)

@@ -2,8 +2,6 @@
 
 These run off the hot path (benchmarks, notebooks, ``RMTDenoiser(per_matrix_stats=True)``). :func:`cosine_report`
 needs the clean clipped gradient, which only an oracle/benchmark setting has — never feed it back into training.
-(Formerly ``opacus_spectral.diagnostics``, a deprecated alias now: "diagnostics" are the pipeline's per-step
-records, :class:`~opacus_spectral.StepDiagnostics`.)
 """
 
 from __future__ import annotations

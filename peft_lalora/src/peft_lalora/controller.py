@@ -16,7 +16,6 @@ Rounds: :meth:`AlternationController.start_round` takes Flower's 1-based ``serve
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -249,7 +248,7 @@ class AlternationController:
         """The current round in Flower's 1-based numbering (``round + 1``)."""
         return self.round + 1
 
-    def start_round(self, round_index: int | None = None, *, server_round: int | None = None) -> None:
+    def start_round(self, *, server_round: int | None = None) -> None:
         """Begin a federated round: reset the local step counter and apply the round's first phase.
 
         Args:
@@ -257,20 +256,7 @@ class AlternationController:
                 controller is rebuilt every round, as in Flower clients); schedule round ``server_round - 1``.
                 Default: the previous round + 1 — except for a first call before any step, which starts server
                 round 1 (so calling it at the top of every round, or only between rounds, gives the same schedule).
-            round_index: deprecated: the 0-based schedule round (``server_round - 1``).
         """
-        if round_index is not None:
-            if server_round is not None:
-                raise TypeError("pass server_round= (1-based) or the deprecated round_index (0-based), not both")
-            warnings.warn(
-                "AlternationController.start_round(round_index) is deprecated: pass the 1-based "
-                "server_round=round_index + 1 (Flower's numbering)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if int(round_index) < 0:
-                raise ValueError(f"round_index must be >= 0, got {round_index}.")
-            server_round = int(round_index) + 1
         if server_round is None:
             server_round = self.server_round + 1 if (self.round_started or self.step > 0) else 1
         if isinstance(server_round, bool) or int(server_round) != server_round or server_round < 1:

@@ -423,7 +423,7 @@ def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
     _warm_train(model, params, cols, names, crit, args, device)
     gsm, dp_opt, dl, switch = _warm_private(model, params, cols, names, args, device)
     t_on, t_off = _warm_abba(gsm, dp_opt, dl, switch, names, crit, args, device)
-    n_mats = int(switch.inner.diagnostics["matrices"])
+    n_mats = int(switch.inner.stats["matrices"])
     summary = step_summary(t_on, t_off, switch.seconds, switch.gated)
     summary["gated_fraction"] = summary["gated_per_step"] / n_mats if n_mats else math.nan
     print(

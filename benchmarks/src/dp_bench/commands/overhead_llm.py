@@ -217,7 +217,7 @@ def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
         "r": r,
         "lora_alpha": alpha,
         "trainable_params": n_trainable,
-        "denoised_matrices": int(switch.inner.diagnostics.get("matrices", 0)),
+        "denoised_matrices": int(switch.inner.stats.get("matrices", 0)),
         "matrix_shapes": lora_shapes(records),
         "sigma": records[0].sigma if records else float("nan"),
         "tokens_per_step": args.batch * args.seq,
@@ -252,7 +252,7 @@ def offline_timings(records: Sequence[Any], reps: int, device: torch.device, ste
     for name, kwargs in (("rmt", {}), ("rmt_paper", PAPER_SETTING)):
         den = RMTDenoiser(inplace=False, **kwargs)
         den(records)  # warm-up
-        out[name] = {"gated": int(den.diagnostics["gated"])}
+        out[name] = {"gated": int(den.stats["gated"])}
         for n in threads:
             before = torch.get_num_threads()
             torch.set_num_threads(n)

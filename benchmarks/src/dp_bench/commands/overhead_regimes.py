@@ -56,7 +56,7 @@ class Switch(Denoiser):
         out = self.inner(grads)
         sync(self.device)
         self.seconds.append(time.perf_counter() - t0)
-        self.gated.append(int(self.inner.diagnostics["gated"]))
+        self.gated.append(int(self.inner.stats["gated"]))
         return out
 
 

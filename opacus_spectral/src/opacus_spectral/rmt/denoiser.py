@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..denoiser import Denoiser
 from ..records import NOISE_ISOTROPIC, ROLE_LORA_A, ROLE_LORA_B, ROLE_WEIGHT, NoisyGradient
-from ..selection import ParamFilter, describe_param_filter, resolve_param_filter, resolve_roles
+from ..selection import ParamFilter, Selector, resolve_roles
 from .settings import FIELDS, RMTSettings
 from .stages import rmt_denoise
 
@@ -26,22 +26,6 @@ __all__ = ["DEFAULT_ROLES", "MIN_CHUNK_BYTES", "RMTDenoiser", "matrix_view"]
 DEFAULT_ROLES: tuple[str, ...] = (ROLE_WEIGHT, ROLE_LORA_A, ROLE_LORA_B)
 #: chunks are never bounded below this by ``max_extra_memory`` (below it, batching matters more than bytes)
 MIN_CHUNK_BYTES = 2**20
-
-try:
-    from ..selection import Selector
-except ImportError:  # TRANSITIONAL: until selection.Selector lands (same API)
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Selector:  # type: ignore[no-redef]
-        roles: frozenset[str] | None = None
-        params: ParamFilter = None
-
-        def matches(self, name: str, role: str) -> bool:
-            return (self.roles is None or role in self.roles) and bool(resolve_param_filter(self.params)(name))
-
-        def __str__(self) -> str:
-            return f"roles={sorted(self.roles or ())}, {describe_param_filter(self.params)}"
 
 
 Chunk = list[tuple[int, Tensor]]  #: (record index, its matrix view) of one batched call
@@ -99,7 +83,7 @@ class RMTDenoiser(Denoiser):
             one matrix is not copied: the denoiser works on a view of the gradient. Chunks of up to 1 MiB are
             always allowed. ``None`` = no bound.
         per_matrix_stats: also record per-matrix spectral entropy before/after and norms in ``stats`` (an extra
-            ``svdvals`` per matrix; off by default). ``diagnostics=`` is its deprecated name.
+            ``svdvals`` per matrix; off by default).
         inplace: write results into the records' tensors and return ``None`` (default; the only extra
             memory is one stacked copy per shape group plus the transient work buffers), or return
             replacement tensors (views of one batched buffer per group).
@@ -128,18 +112,9 @@ class RMTDenoiser(Denoiser):
         per_matrix_stats: bool = False,
         inplace: bool = True,
         warn_after: int = 100,
-        diagnostics: bool | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
-        if diagnostics is not None:
-            warnings.warn(
-                "RMTDenoiser(diagnostics=...) is deprecated: use per_matrix_stats=... (the per-matrix numbers are "
-                "in denoiser.stats['per_matrix'])",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            per_matrix_stats = per_matrix_stats or bool(diagnostics)
         if settings is None:
             settings = RMTSettings(**options)  # an unknown keyword is a TypeError, as in any signature
         elif options:
@@ -178,16 +153,6 @@ class RMTDenoiser(Denoiser):
     @property
     def params(self) -> ParamFilter:
         return self.selector.params
-
-    @property
-    def diagnostics(self) -> dict[str, Any]:
-        """Deprecated name of :attr:`stats`."""
-        warnings.warn("RMTDenoiser.diagnostics is deprecated: read RMTDenoiser.stats", DeprecationWarning, stacklevel=2)
-        return self.stats
-
-    @diagnostics.setter
-    def diagnostics(self, value: dict[str, Any]) -> None:
-        self.stats = value
 
     def selects(self, name: str, role: str) -> bool:
         """``self.selector.matches(name, role)``."""

@@ -244,18 +244,8 @@ def _schedule_of(peft_model: nn.Module) -> Any:
     return config.schedule if isinstance(config, LALoraConfig) else None
 
 
-def _server_round(server_round: Any, round_index: Any) -> int:
-    """The 1-based round of :meth:`DPClient.fit` from ``server_round`` or the deprecated ``round_index=`` keyword
-    (the same 1-based number); ``ValueError`` unless it is an integer >= 1."""
-    if round_index is not None:
-        if server_round is not None:
-            raise TypeError("pass server_round (or the deprecated round_index=, the same 1-based number), not both")
-        warnings.warn(
-            "DPClient.fit(round_index=...) is deprecated: pass server_round= (the same 1-based number)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        server_round = round_index
+def _server_round(server_round: Any) -> int:
+    """The 1-based round of :meth:`DPClient.fit`; ``ValueError`` unless it is an integer >= 1."""
     if server_round is None:
         raise TypeError("DPClient.fit() needs server_round, the 1-based federated round")
     if isinstance(server_round, bool) or int(server_round) != server_round or server_round < 1:
@@ -437,8 +427,6 @@ class DPClient:
         global_state: Mapping[str, torch.Tensor],
         server_round: int | None = None,
         local_steps: int | None = None,
-        *,
-        round_index: int | None = None,
     ) -> ClientUpdate:
         """Run one round of ``local_steps`` (default ``config.local_steps``) DP steps from ``global_state``.
 
@@ -448,12 +436,11 @@ class DPClient:
                 round is ``server_round - 1``). Must exceed every round this client has run before
                 (:class:`ReplayedRoundError` otherwise, before anything is trained).
             local_steps: overrides ``config.local_steps``.
-            round_index: deprecated keyword for ``server_round`` (the same 1-based number).
         """
         k_steps = self.config.local_steps if local_steps is None else int(local_steps)
         if k_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {k_steps}")
-        server_round = self._check_round(_server_round(server_round, round_index))
+        server_round = self._check_round(_server_round(server_round))
         load_adapter_state(self.params, global_state)
         self.last_round = server_round  # consumed even if training fails below: never retried
         self.optimizer.zero_grad(set_to_none=True)

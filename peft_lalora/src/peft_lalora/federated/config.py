@@ -386,20 +386,6 @@ class FederationConfig:
             kw[name] = v
         return cls(**kw)
 
-    def client_config(self) -> Any:
-        """Deprecated: :func:`peft_lalora.federated.builders.client_config` ``(cfg)`` (the builders import this
-        module, never the other way round)."""
-        import warnings
-
-        from .builders import client_config
-
-        warnings.warn(
-            "FederationConfig.client_config() is deprecated: use peft_lalora.federated.builders.client_config(cfg)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return client_config(self)
-
 
 def _int_list(value: str, name: str, n: int) -> list[int] | None:
     """A comma-separated list of ``n`` integers (``None`` when ``value`` is empty)."""
