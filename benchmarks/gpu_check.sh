@@ -4,7 +4,7 @@
 #     bash benchmarks/gpu_check.sh            # PYTHON=/path/to/venv/bin/python to pick an interpreter
 #
 # 1. the denoiser/filter/diagnostics tests with every tensor on cuda (OPACUS_SPECTRAL_TEST_DEVICE=cuda), including
-#    tests/opacus_spectral/test_screen.py: the Cholesky certificate, block Lanczos, the Krylov gate and its exact re-check, the
+#    tests/opacus_spectral/denoisers/test_screen.py: the Cholesky certificate, block Lanczos, the Krylov gate and its exact re-check, the
 #    complete spike sets and the in-place projection (docs/math.md §1.12) on the GPU;
 # 2. the overhead benchmark on cuda, all three regimes: (a) all-MiniLM-L6-v2 at initialisation, batch 32 × seq 64,
 #    LoRA and full fine-tuning, batched vs naive loop, peak extra memory from torch.cuda.max_memory_allocated;
@@ -25,7 +25,7 @@ print("cuda:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
 PYEOF
 export OPACUS_SPECTRAL_TEST_DEVICE=cuda
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/opacus_spectral/test_spectral.py tests/opacus_spectral/test_screen.py tests/opacus_spectral/test_rmt.py tests/opacus_spectral/test_filters.py tests/opacus_spectral/test_diagnostics.py
+    tests/opacus_spectral/denoisers/test_spectral.py tests/opacus_spectral/denoisers/test_screen.py tests/opacus_spectral/denoisers/test_rmt.py tests/opacus_spectral/denoisers/test_filters.py tests/opacus_spectral/denoisers/test_diagnostics.py
 timeout 420 "$PY" -m dp_bench.cli overhead --device cuda --steps 8 --warmup 3 --reps 10 \
     --warm-physical 1024 --synthetic-reps 6 --big-steps 6 --out docs/results/overhead_gpu.json
 echo "gpu_check: done -> docs/results/overhead_gpu.json"

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.slow
+
 # ---------------------------------------------------------------------------------------------- the audit
 audit_cmd = pytest.importorskip("dp_bench.commands.audit")
 

@@ -14,6 +14,8 @@ from dp_bench import analysis as A  # noqa: E402
 from dp_bench.adapters import Trainable  # noqa: E402
 from dp_bench.commands import centralized, regime_map  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def test_crossing_step_interpolates_between_checkpoints() -> None:
     curve = [(0, 0.5), (10, 0.6), (20, 0.8)]

@@ -16,7 +16,9 @@ from dp_bench.frozen import BertTop, bert_attention_mask, encode_bottom, split_e
 from peft_lalora.cli import main  # noqa: E402
 from peft_lalora.federated import FederationConfig, run_simulation  # noqa: E402
 from peft_lalora.federated.builders import build_evaluator, build_task  # noqa: E402
-from peft_lalora.federated.client import NamedInputsLoss  # noqa: E402
+from peft_lalora.federated.client.dp_client import NamedInputsLoss  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 FROZEN1 = '{"frozen_layers": 1}'
 CFG = dict(

@@ -19,6 +19,8 @@ from dp_bench import data as D  # noqa: E402
 from dp_bench.data import images  # noqa: E402
 from fmnist_support import synthetic_fmnist, write_idx  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def test_read_idx_round_trip_and_rejects_corrupt_files(tmp_path: Path) -> None:
     a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)

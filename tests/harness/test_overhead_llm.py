@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow
+
 # tiny Llama (hidden 32, 4 heads of 8, 2 kv heads -> k/v project to 16, MLP 64), 2 layers
 QV_SHAPES = {"32x32": 6, "16x32": 2}  # r = 32: q A/B 32x32, v A 32x32, v B 16x32; per layer, x 2
 ALL7_SHAPES = {"16x32": 12, "16x64": 2, "32x16": 6, "16x16": 4, "64x16": 4}  # r = 16, seven modules, x 2

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from dp_bench.store import SharedResult, _start_time, atomic_write_json
 
+pytestmark = pytest.mark.slow
+
 #: a run key as the grid commands print it when a run is trained (progress bars may share the line)
 RUN_LINE = re.compile(r"(?<![\w|])(?:tune|eval)\|[^\s]+")
 

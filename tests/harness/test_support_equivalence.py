@@ -14,6 +14,8 @@ dp_data = pytest.importorskip("dp_bench.data")
 
 import text_support  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 TASK_CASES = [
     dict(n=1, seq_len=4),
     dict(n=37, seq_len=16, seed=0),
@@ -130,7 +132,7 @@ def test_fed_tiny_refuses_task_options() -> None:
         build_task(FederationConfig(**{**SMALL, "task": "fed_tiny:tiny", "task_options": '{"frozen_layers": 1}'}))
 
 
-@pytest.mark.filterwarnings("ignore::peft_lalora.federated.client.ReproducibleNoiseWarning")
+@pytest.mark.filterwarnings("ignore::opacus_spectral.errors.ReproducibleNoiseWarning")
 def test_a_federation_on_fed_tiny_ends_at_the_harness_adapter() -> None:
     """One round, two clients, LA-LoRA with the binomial filter and calibrated noise (seeded: reproducible_noise)."""
     pytest.importorskip("opacus_spectral")

@@ -10,10 +10,12 @@ import datasets
 import pytest
 import torch
 from causal_lm_support import args, llama, lm_dataset, tokenizer
-from opacus_spectral.hf import DPTrainer
+from opacus_spectral.hf.dp_trainer import DPTrainer
 from peft import LoraConfig, PeftModel, get_peft_model
 from repo_support import DOCS
 from transformers import DataCollatorForLanguageModeling
+
+pytestmark = pytest.mark.slow
 
 
 def _docs_block() -> str:

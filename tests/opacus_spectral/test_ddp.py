@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-pytestmark = pytest.mark.ddp
+pytestmark = [pytest.mark.slow, pytest.mark.ddp]
 
 NM, C, N, B = 1.3, 0.7, 64, 16
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 from engine_helpers import Recorder
 from opacus.optimizers import DPOptimizer
-from opacus_spectral.doctor import DoctorError
-from opacus_spectral.engine import NonPrivateWarning
+from opacus_spectral.errors import DoctorError, NonPrivateWarning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -11,15 +11,10 @@ import pytest
 import torch
 from engine_helpers import Identity, Recorder, Scale, loader, mlp
 from opacus.utils.batch_memory_manager import BatchMemoryManager
+from opacus_spectral.errors import DenoiserError
 from torch import nn
 
-from opacus_spectral import (
-    Denoiser,
-    DenoiserError,
-    NoisyGradient,
-    PrivacyEngine,
-    install_post_hooks,
-)
+from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, install_post_hooks
 
 NM, C = 1.1, 1.0
 

@@ -1,9 +1,9 @@
 """Opacus' own engine tests, run with ``opacus_spectral.PrivacyEngine`` and compared with vanilla Opacus.
 
 The five modules ship in Opacus' wheel (``opacus/tests/``). A run is a pytest subprocess with the plugin
-``tests/opacus_upstream_shim.py`` (the engine swap, with ``noise_seed`` drawn from torch's global RNG; one derandomized
-hypothesis example per property; a torchvision import fix), on the CPU with one thread. Ours must end every test
-exactly as vanilla does, except the :data:`EXPECTED` divergences, which are deliberate and must fail for the
+``tests/support/opacus_upstream_shim.py`` (the engine swap, with ``noise_seed`` drawn from torch's global RNG; one
+derandomized hypothesis example per property; a torchvision import fix), on the CPU with one thread. Ours must end every
+test exactly as vanilla does, except the :data:`EXPECTED` divergences, which are deliberate and must fail for the
 documented reason (``docs/engine.md``, "Opacus' own tests").
 
 Vanilla's outcomes are a pure function of Opacus, torch and the shim: they are pinned in :data:`PINNED` under those
@@ -50,7 +50,7 @@ EXPECTED = {
 VANILLA = {"passed": 274, "failed": 0, "skipped": 37}
 #: vanilla's outcome of every test, and what it is a function of
 PINNED = Path(__file__).with_name("opacus_upstream_vanilla.json")
-SHIM = Path(__file__).parents[1] / "opacus_upstream_shim.py"
+SHIM = Path(__file__).parents[1] / "support" / "opacus_upstream_shim.py"
 
 
 def _pin_key() -> dict[str, str]:

@@ -19,8 +19,7 @@ import warnings
 
 import pytest
 import torch
-from opacus_spectral.batch_check import BatchCheckWarning
-from opacus_spectral.batch_independence import BatchDependenceError
+from opacus_spectral.errors import BatchCheckWarning, BatchDependenceError
 from torch import nn
 from torch.utils.data import DataLoader
 

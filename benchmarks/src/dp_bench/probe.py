@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft_lalora.federated.aggregate import factor_of
+from peft_lalora.federated.server.aggregate import factor_of
 from torch import nn
 
 __all__ = ["GROUPS", "gradient_share", "param_group", "probe_federation"]
@@ -32,7 +32,7 @@ LossFn = Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor]
 
 def param_group(name: str) -> str:
     """``"lora_A"`` / ``"lora_B"`` for LoRA factors (PEFT names, matched as the federated aggregation matches
-    them: :func:`peft_lalora.federated.aggregate.factor_of`), ``"head"`` for every other trainable tensor."""
+    them: :func:`peft_lalora.federated.server.aggregate.factor_of`), ``"head"`` for every other trainable tensor."""
     return _GROUP_OF_FACTOR[factor_of(name)]
 
 
@@ -96,9 +96,9 @@ def gradient_share(
 def probe_federation(cfg: Any, task: Any, state: Mapping[str, torch.Tensor] | None, n: int) -> dict[str, Any]:
     """:func:`gradient_share` of a federation's model with the global adapter ``state`` (``None``: the initial
     one) on ``n`` training examples (a seeded choice, the same for every run on the same training split)."""
-    from peft_lalora.federated.adapter_state import load_adapter_state, trainable_parameters
     from peft_lalora.federated.builders import make_peft_model
-    from peft_lalora.federated.losses import NamedInputsLoss
+    from peft_lalora.federated.client.adapter_state import load_adapter_state, trainable_parameters
+    from peft_lalora.federated.client.losses import NamedInputsLoss
 
     model = make_peft_model(cfg, task)
     params = trainable_parameters(model)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft_lalora.federated.task import Task, subsample, to_tensor_dataset
+from peft_lalora.federated.data.task import Task, subsample, to_tensor_dataset
 from torch import nn
 
 from . import data as D
@@ -296,7 +296,7 @@ def encode_bottom_memo(full: nn.Module, k: int, cols: dict[str, torch.Tensor]) -
 
 
 class CachedTask(Task):
-    """A federated :class:`~peft_lalora.federated.task.Task` whose bottom ``k`` layers are frozen: its tensors are
+    """A federated :class:`~peft_lalora.federated.data.task.Task` whose bottom ``k`` layers are frozen: its tensors are
     the cached hidden states, its model is :class:`~dp_bench.frozen.BertTop` (LoRA goes on the layers above). A
     split is loaded and encoded on first use only (the Flower server needs the model, not the clients' rows)."""
 

@@ -8,7 +8,7 @@ release), so runs of different methods with the same ``seed`` share their batche
 numbers). A logical step is recognised through the post-hook handle's
 ``logical_steps`` counter (not by comparing diagnostics). Per logical step it records the loss, σ, and —
 with ``oracle=True`` — cos(noisy, clean) and cos(denoised, clean) globally and per parameter, and which
-matrices ``rmt`` gated; test accuracy at ``eval_at`` steps through :func:`peft_lalora.federated.evaluate.
+matrices ``rmt`` gated; test accuracy at ``eval_at`` steps through :func:`peft_lalora.federated.server.evaluate.
 classification_metrics`.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from peft_lalora.federated.evaluate import classification_metrics
+from peft_lalora.federated.server.evaluate import classification_metrics
 from torch import nn
 
 from .meta import quiet_warnings
@@ -216,7 +216,9 @@ def estimator_grad_sample_mode(denoisers: Sequence[Any], grad_sample_mode: str) 
 
 def _private_engine(accountant: str, seed: int) -> Any:
     """The engine in its explicit reproducible mode: the same batches and noise draws for every method of a seed."""
-    from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning
+    from opacus_spectral.errors import ReproducibleNoiseWarning
+
+    from opacus_spectral import PrivacyEngine
 
     with warnings.catch_warnings():  # paired noise is this experiment's design; the warning is the reminder
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
@@ -236,7 +238,7 @@ def _make_private(
 ) -> tuple[Any, ...]:
     """``engine.make_private`` with Poisson sampling and the denoisers of ``post_hooks``; without ``gradient``, in
     the ``grad_sample_mode`` the pipeline's gradient estimator works with (:func:`estimator_grad_sample_mode`)."""
-    from opacus_spectral.registry import create_denoisers
+    from opacus_spectral.plugins.registry import create_denoisers
 
     denoisers = create_denoisers(list(post_hooks), engine.registry)
     if gradient is None:

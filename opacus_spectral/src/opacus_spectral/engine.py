@@ -1,14 +1,14 @@
 """``opacus_spectral.PrivacyEngine``: Opacus' engine plus post-noise denoisers.
 
 Vocabulary: a *denoiser* is a callable over the step's noisy gradients; ``post_hooks=[...]`` is the
-``make_private`` argument listing denoisers; the *pipeline* (:class:`~opacus_spectral.pipeline.PostNoisePipeline`)
+``make_private`` argument listing denoisers; the *pipeline* (:class:`~opacus_spectral.step.pipeline.PostNoisePipeline`)
 runs them every logical step.
 
 A drop-in subclass: without ``post_hooks`` it trains exactly like ``opacus.PrivacyEngine`` (same optimizer
 classes, same noise, same accountant — bit-identical parameters for the same generators); the differences are
-the alternation-safe GradSampleModule (identical maths, see :mod:`.grad_sample`) and where randomness comes
-from: noise and Poisson sample are drawn from OS-entropy generators, never torch's global RNG
-(:mod:`.noise_source`).
+the alternation-safe GradSampleModule (identical maths, see :mod:`~opacus_spectral.step.grad_sample`) and where
+randomness comes from: noise and Poisson sample are drawn from OS-entropy generators, never torch's global RNG
+(:mod:`~opacus_spectral.step.noise_source`).
 """
 
 from __future__ import annotations
@@ -27,47 +27,50 @@ from opacus.grad_sample.utils import get_gsm_class
 from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
 
-from .accounting import EngineCount, bounded_epsilon, check_delta, check_gdp_history, refuse_gdp, warn_approximate
-from .advice import external_stacklevel
-from .batch_check import BatchCheck, BatchCheckSetting, install_batch_check
-from .checkpoint import (
+from .accounting.bounds import (
+    EngineCount,
+    bounded_epsilon,
+    check_delta,
+    check_gdp_history,
+    refuse_gdp,
+    warn_approximate,
+)
+from .accounting.calibration import epsilon_from_history
+from .accounting.checkpoint import (
     COUNT_KEY,
     load_checkpoint_file,
     optimizer_step_count,
     read_engine_count,
     verify_accountant_history,
 )
-from .copies import refuse_copies
-from .doctor import Doctor, DoctorSetting, accounted_steps, install_doctor
-from .grad_sample import check_per_sample_support, safe_class
-from .installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
-from .noise_multiplier import epsilon_from_history
-from .noise_source import NoiseSource, parameter_device, warn_reproducible
-from .parameters import unwrap
-from .pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
-from .precision import PrecisionGuard, install_precision_guard
-from .privacy_record import compose_privacy_record, noise_multiplier_after, prior_history
-from .registry import DenoiserSpec, Registry
-from .shuffled_sampling import (
+from .accounting.record import compose_privacy_record, noise_multiplier_after, prior_history
+from .accounting.sampling import (
     UNAMPLIFIED,
     PassTracker,
-    ShuffledSamplingWarning,
     counted_hook,
     refuse_unbounded,
     sampler_kind,
     shuffled_hook,
     warn_ignored_sampler,
 )
+from .denoisers.advice import external_stacklevel
+from .doctor.batch_check import BatchCheck, BatchCheckSetting, install_batch_check
+from .doctor.doctor import Doctor, DoctorSetting, accounted_steps, install_doctor
+from .errors import NonPrivateWarning, ShuffledSamplingWarning
+from .plugins.registry import DenoiserSpec, Registry
+from .step.copies import refuse_copies
+from .step.grad_sample import check_per_sample_support, safe_class
+from .step.installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+from .step.noise_source import NoiseSource, parameter_device, warn_reproducible
+from .step.parameters import unwrap
+from .step.pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
+from .step.precision import PrecisionGuard, install_precision_guard
 
 CHECKPOINT_KEY = "opacus_spectral_post_hooks"
 NON_PRIVATE = (
     "noise_multiplier=0 trains with clipping only and NO noise: the model is NOT differentially private, "
     "whatever the accountant reports"
 )
-
-
-class NonPrivateWarning(RuntimeWarning):
-    """``noise_multiplier=0`` without ``allow_non_private=True``: clipping only, no differential privacy."""
 
 
 def _check_max_grad_norm(value: Any) -> None:
@@ -104,7 +107,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     ``noise_seed=None`` (default): every ``make_private`` draws the noise and the Poisson sample from new
     generators seeded from OS entropy. ``noise_seed=<int>``: from generators derived from that seed — reproducible,
-    and NOT private against whoever knows it (warns :class:`~opacus_spectral.ReproducibleNoiseWarning`).
+    and NOT private against whoever knows it (warns :class:`~opacus_spectral.errors.ReproducibleNoiseWarning`).
     ``secure_mode=True`` keeps Opacus' behaviour (torchcsprng).
     """
 
@@ -199,21 +202,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Args:
             post_hooks: denoisers applied to the noisy gradient every logical step, in this order: registered
                 names (``"rmt"``), ``(name, {kwargs})`` pairs or denoiser callables. ``None``: no pipeline.
-            on_denoiser_error: ``"raise"`` or ``"fallback"`` (see :class:`~opacus_spectral.pipeline.PostNoisePipeline`).
-            oracle: record cosines to the clean clipped gradient each step (benchmarks only).
-            max_output_ratio: per-tensor bound on a denoiser's output norm, in units of max(that tensor's noisy
+            on_denoiser_error: ``"raise"`` or ``"fallback"`` (see
+            :class:`~opacus_spectral.step.pipeline.PostNoisePipeline`). oracle: record cosines to the clean clipped
+            gradient each step (benchmarks only). max_output_ratio: per-tensor bound on a denoiser's output norm, in
+            units of max(that tensor's noisy
                 gradient norm, its expected noise norm) (default 1000; ``None``: no bound). Needs ``post_hooks``.
             on_nonfinite_grad: NaN/Inf in the noisy gradient: ``"raise"`` (default), ``"skip_step"`` or
                 ``"ignore"`` (Opacus' behaviour). Needs ``post_hooks`` (``[]`` is enough).
             allow_non_private: ``noise_multiplier=0`` (clipping without noise: no differential privacy) warns a
                 :class:`NonPrivateWarning` unless this is ``True``; with denoisers in ``post_hooks`` it is refused.
-            new_privacy_unit: a model that carries a privacy record (:mod:`~opacus_spectral.privacy_record`) is
+            new_privacy_unit: a model that carries a privacy record (:mod:`~opacus_spectral.accounting.record`) is
                 composed with by default (ε continues); ``True`` states that the new data are a different privacy
                 unit, and the accountant starts from 0.
-            doctor: checks for silent failures (:mod:`~opacus_spectral.doctor`): ``True``/``"warn"`` (default),
+            doctor: checks for silent failures (:mod:`~opacus_spectral.doctor.doctor`): ``True``/``"warn"`` (default),
                 ``"raise"``, or ``False`` (off). The installed checks are ``engine.doctor``.
             batch_check: at the first training forward, check that no record's outputs depend on the other records
-                of its batch (:mod:`~opacus_spectral.batch_check`): ``"raise"`` (default), ``"warn"`` or ``False``.
+                of its batch (:mod:`~opacus_spectral.doctor.batch_check`): ``"raise"`` (default), ``"warn"`` or
+                ``False``.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``.
@@ -263,9 +268,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks``, ``doctor`` and ``batch_check`` (kept
         out of Opacus' kwargs, which also reach ``get_noise_multiplier``). σ comes from
-        :func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` (Opacus' search, bounded; refuses ``gdp``,
+        :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` (Opacus' search, bounded; refuses ``gdp``,
         a ``target_delta`` ≥ 1/N and a target outside its range); without Poisson sampling it is calibrated to the
-        un-amplified bound (one Gaussian mechanism per epoch, :mod:`.shuffled_sampling`)."""
+        un-amplified bound (one Gaussian mechanism per epoch, :mod:`~opacus_spectral.accounting.sampling`)."""
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         self._doctor_setting, self._batch_check_setting = doctor, batch_check
@@ -289,9 +294,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _private_with_epsilon(
         self, *args: Any, target_epsilon: float, target_delta: float, epochs: float, **kwargs: Any
     ) -> tuple[Any, ...]:
-        """Opacus' ``make_private_with_epsilon`` with the σ of :func:`~.privacy_record.noise_multiplier_after`: the
-        target holds for everything the accountant will have counted — its own earlier steps and the model's privacy
-        record (:func:`~opacus_spectral.noise_multiplier.noise_multiplier_for` when there are none)."""
+        """Opacus' ``make_private_with_epsilon`` with the σ of
+        :func:`~opacus_spectral.accounting.record.noise_multiplier_after`: the target holds for everything the
+        accountant will have counted — its own earlier steps and the model's privacy record
+        (:func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` when there are none)."""
         refuse_gdp(self.accountant.mechanism(), "make_private_with_epsilon")
         loader = kwargs["data_loader"]
         check_delta(target_delta, len(loader.dataset), "target_delta")
@@ -312,8 +318,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return self.make_private(*args, noise_multiplier=sigma, **kwargs)
 
     def _install_guards(self, out: tuple[Any, ...], batch_check: BatchCheckSetting, kwargs: dict[str, Any]) -> None:
-        """DESIGN invariant 8 on the user's set-up: clipping in float32 under autocast (:mod:`.precision`) and the
-        batch-independence check (:mod:`.batch_check`); the previous make_private's are removed."""
+        """DESIGN invariant 8 on the user's set-up: clipping in float32 under autocast
+        (:mod:`~opacus_spectral.step.precision`) and the batch-independence check
+        (:mod:`~opacus_spectral.doctor.batch_check`); the previous make_private's are removed."""
         for old in (self.precision_guard, self.batch_check):
             if old is not None:
                 old.remove()
@@ -431,9 +438,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def get_epsilon(self, delta: float) -> float:  # type: ignore[override]
         """ε spent so far at ``delta`` — Opacus' ``get_epsilon``, as an upper bound or an error
-        (:func:`~opacus_spectral.accounting.bounded_epsilon`): ``delta`` must be below 1/N once ``make_private``
+        (:func:`~opacus_spectral.accounting.bounds.bounded_epsilon`): ``delta`` must be below 1/N once ``make_private``
         knows the dataset; an empty history is 0.0, a step without noise ∞; a negative numerical ε is 0.0; the gdp
-        accountant (an approximation) warns :class:`~opacus_spectral.accounting.ApproximateEpsilonWarning`."""
+        accountant (an approximation) warns :class:`~opacus_spectral.accounting.bounds.ApproximateEpsilonWarning`."""
         check_delta(delta, self._dataset_size(), "delta")
         mechanism = self.accountant.mechanism()
         history = [(float(s), float(q), int(n)) for s, q, n in self.accountant.history]
@@ -526,12 +533,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``trusted=True`` restores the unrestricted unpickler, for files you created yourself.
 
         Before anything is loaded, the accountant's history must agree with the run
-        (:func:`~opacus_spectral.checkpoint.verify_accountant_history`): σ with ``optimizer.noise_multiplier`` (or
-        ``noise_multiplier=``; not checked with a ``noise_scheduler``), q with this engine's last ``make_private``
-        (or ``sample_rate=``), and its step count with the engine's own count saved beside it (every optimizer,
-        SGD included; a file without it is refused) and with the optimizer state's and the pipeline's step counters.
-        Otherwise ``ValueError`` naming the mismatch, and nothing is loaded. These checks catch accidental and naive
-        edits; a forger who rewrites the history and every count consistently is not detected.
+        (:func:`~opacus_spectral.accounting.checkpoint.verify_accountant_history`): σ with
+        ``optimizer.noise_multiplier`` (or ``noise_multiplier=``; not checked with a ``noise_scheduler``), q with this
+        engine's last ``make_private`` (or ``sample_rate=``), and its step count with the engine's own count saved
+        beside it (every optimizer, SGD included; a file without it is refused) and with the optimizer state's and the
+        pipeline's step counters. Otherwise ``ValueError`` naming the mismatch, and nothing is loaded. These checks
+        catch accidental and naive edits; a forger who rewrites the history and every count consistently is not
+        detected.
         """
         checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))
         steps = self._verify_dp_state(

@@ -7,7 +7,7 @@ Plugins are modules (or objects) exposed through the entry-point group ``opacus_
 
 and implement any of the hooks below with ``@opacus_spectral.hookimpl``. A plugin that fails to import
 or whose hook signature does not match a spec is skipped with one warning; the others still load
-(see :func:`opacus_spectral.registry.available_denoisers`).
+(see :func:`opacus_spectral.plugins.registry.available_denoisers`).
 
 Order: pluggy calls implementations last-registered-first (``docs/upstream.md`` §3.2). Nothing here depends
 on that order: denoisers are applied in the order of the user's ``post_hooks`` list, and role answers are
@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 from torch import nn
 
-from .records import ParameterRole
+from .step.records import ParameterRole
 
 PROJECT = "opacus_spectral"
 

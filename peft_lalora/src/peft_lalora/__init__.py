@@ -5,13 +5,13 @@ Importing this package registers the PEFT type ``"LALORA"`` (idempotent), so ``g
 :class:`LALoraConfig`. DP parts (``opacus_spectral``) are imported lazily, behind the ``[dp]`` extra.
 """
 
-from .config import ALTERNATION_MODES, LALoraConfig, LALoraPeftType
-from .controller import AlternationController, LALoraTrainerCallback, phase_at
-from .export import export_as_lora, to_lora_config
-from .factors import LoraFactor, find_lora_factors, lalora_param_groups
-from .model import LALoraModel
-from .registration import is_registered, register
-from .schedule import AlternationSchedule
+from .alternation.controller import AlternationController, LALoraTrainerCallback, phase_at
+from .alternation.factors import LoraFactor, find_lora_factors, lalora_param_groups
+from .alternation.schedule import AlternationSchedule
+from .tuners.lalora.config import ALTERNATION_MODES, LALoraConfig, LALoraPeftType
+from .tuners.lalora.export import export_as_lora, to_lora_config
+from .tuners.lalora.model import LALoraModel
+from .tuners.lalora.registration import is_registered, register
 
 register()
 

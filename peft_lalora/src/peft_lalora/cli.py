@@ -141,7 +141,7 @@ def check_run_flags(args: argparse.Namespace) -> None:
 
 
 def config_or_flag_error(args: argparse.Namespace) -> Any:
-    """:func:`config_from_args`, with a :class:`~.federated.config.ConfigError` reworded to name the flag."""
+    """:func:`config_from_args`, with a :class:`~peft_lalora.federated.config.ConfigError` reworded to name the flag."""
     from .federated.config import ConfigError
 
     try:
@@ -152,7 +152,7 @@ def config_or_flag_error(args: argparse.Namespace) -> Any:
 
 def federate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict."""
-    from .federated.save import check_out_file, check_target_dir
+    from .federated.client.save import check_out_file, check_target_dir
 
     check_run_flags(args)
     cfg = config_or_flag_error(args)
@@ -160,7 +160,7 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_adapter is not None:
         check_target_dir(args.save_adapter)
     if cfg.reproducible_noise:
-        from .federated.client import REPRODUCIBLE_NOISE_NOTE
+        from .federated.client.dp_client import REPRODUCIBLE_NOISE_NOTE
 
         print(f"peft-lalora federate: warning: --reproducible-noise: {REPRODUCIBLE_NOISE_NOTE}", file=sys.stderr)
     for flag, on in (
@@ -174,7 +174,7 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
     if args.runner == "flower":
-        from .federated.flower.run import run_flower
+        from .federated.launcher.run import run_flower
 
         out = run_flower(
             cfg,
@@ -195,8 +195,8 @@ def _simulate(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The in-process runner (and ``--save-adapter``) for ``federate``."""
     import torch
 
+    from .federated.data.task import build_task
     from .federated.simulation import run_simulation
-    from .federated.task import build_task
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -204,7 +204,7 @@ def _simulate(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     result = run_simulation(cfg, progress=not args.no_progress, task=task)
     out = result.to_json()
     if args.save_adapter is not None:
-        from .federated.save import save_adapter
+        from .federated.client.save import save_adapter
 
         out["adapter"] = save_adapter(cfg, task, result.state, args.save_adapter)
     return out

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from opacus_spectral.testing import check_denoiser
+from opacus_spectral.plugins.testing import check_denoiser
 from opacus_spectral_disk import DiskDenoiser, DiskGradient
 from torch import nn
 

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from opacus_spectral.testing import check_denoiser
+from opacus_spectral.plugins.testing import check_denoiser
 from opacus_spectral_doppler import PRESETS, DopplerDenoiser, step_response
 
 import opacus_spectral
@@ -69,9 +69,9 @@ def test_bad_coefficients():
 def test_found_by_name_and_composes_with_rmt():
     info = opacus_spectral.available_denoisers()["doppler"]
     assert info.distribution == "opacus-spectral-doppler"
-    from opacus_spectral.parameters import ParamInfo
-    from opacus_spectral.pipeline import PostNoisePipeline
-    from opacus_spectral.registry import create_denoisers
+    from opacus_spectral.plugins.registry import create_denoisers
+    from opacus_spectral.step.parameters import ParamInfo
+    from opacus_spectral.step.pipeline import PostNoisePipeline
 
     pipe = PostNoisePipeline(create_denoisers(["rmt", "doppler"]))
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from opacus_spectral.testing import check_denoiser
+from opacus_spectral.plugins.testing import check_denoiser
 from opacus_spectral_svht import SVHTDenoiser, svht, threshold_coefficient
 
 import opacus_spectral
@@ -42,7 +42,7 @@ def test_conformance():
 def test_found_by_name_through_the_installed_entry_point():
     info = opacus_spectral.available_denoisers()["svht"]
     assert info.distribution == "opacus-spectral-svht"
-    assert isinstance(opacus_spectral.get_registry().create("svht"), SVHTDenoiser)
+    assert isinstance(opacus_spectral.plugins.get_registry().create("svht"), SVHTDenoiser)
 
 
 def test_an_undeclared_callable_before_svht_warns_that_it_switches_svht_off():

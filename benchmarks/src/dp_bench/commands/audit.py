@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from opacus_spectral.audit import GradientCanaries, InputCanaries, audit_scores, gaussian_dp_epsilon
-from opacus_spectral.oracle import clean_gradients
+from opacus_spectral.step.oracle import clean_gradients
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, available_denoisers

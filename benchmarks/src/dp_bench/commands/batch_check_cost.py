@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opacus_spectral.batch_independence import BatchDependenceError
+from opacus_spectral.errors import BatchDependenceError
 
 from ..config import command_line, opt, parse_config
 from ..meta import RESULTS
@@ -48,7 +48,7 @@ def _dataset(tokenizer: Any, n: int) -> Any:
 
 
 def measure(side: str, cfg: Config) -> dict[str, Any]:
-    from opacus_spectral.hf import DPTrainer
+    from opacus_spectral.hf.dp_trainer import DPTrainer
     from peft import LoraConfig, get_peft_model
     from transformers import (
         AutoModelForSequenceClassification,

@@ -150,7 +150,7 @@ class Recorder:
 
 def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: Config, acc0: float) -> dict[str, Any]:
     """Train one arm (``hooks`` = its post_hooks) for ``cfg.steps`` logical DP steps; curves + diagnostics."""
-    from opacus_spectral.oracle import clean_gradients
+    from opacus_spectral.step.oracle import clean_gradients
 
     trainable = Trainable("lora", "qkvoid", cfg.rank, cfg.alpha)
     top = build_top(task, trainable, cfg.seed, pooling=cfg.pooling, reinit_head=False)
@@ -319,7 +319,7 @@ def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str)
     rec = arm["recorded"][step]
     mats = {"clean": rec["clean"][name], "noisy": rec["noisy"][name], "denoised": rec["denoised"][name]}
     sigma = next(e["sigma"] for e in arm["per_step"] if e["step"] == step)
-    from opacus_spectral.spectrum_report import plot_spectrum
+    from opacus_spectral.denoisers.spectrum_report import plot_spectrum
 
     p = out / "demo_spectrum.png"
     plot_spectrum(

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from peft_lalora.federated.config import FederationConfig
-from peft_lalora.federated.task import Task, build_task
+from peft_lalora.federated.data.task import Task, build_task
 
 from .. import runner
 from ..config import as_json, command_line, opt, parse_config, same_config
@@ -230,7 +230,7 @@ def one_run(args: Config, task: Task, phase: str, method: str, epsilon: float, s
 def other_accountant(cfg: FederationConfig, clients: dict[str, Any]) -> dict[str, Any]:
     """Every client's ε under the other accountant (PRV beside RDP, RDP otherwise), from its (σ, q, steps) —
     for clients that ran one (σ, q), i.e. all of them in these grids."""
-    from peft_lalora.federated.ledger import epsilon_from_history
+    from peft_lalora.federated.server.ledger import epsilon_from_history
 
     other = "prv" if cfg.accountant == "rdp" else "rdp"
     eps = {}

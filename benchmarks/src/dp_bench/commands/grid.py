@@ -260,7 +260,7 @@ class ReleasedOracle:
         self.per_matrix: list[tuple[int, int, float, float]] = []  #: (step, matrix index, cos, norm ratio)
 
     def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
-        from opacus_spectral.oracle import clean_gradients, cosine, norm_ratio
+        from opacus_spectral.step.oracle import clean_gradients, cosine, norm_ratio
 
         params = [p for p in dp_opt.params if p.grad is not None and getattr(p, "summed_grad", None) is not None]
         if not params:

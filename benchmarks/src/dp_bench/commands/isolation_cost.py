@@ -1,7 +1,7 @@
 """Cost of giving every ``p.grad`` fresh memory after the denoisers (the clean-gradient isolation).
 
 With at least one denoiser installed, the engine copies the step's (denoised) gradients into fresh memory
-(:func:`opacus_spectral.installation.install_fresh_grads`) so that no tensor a denoiser saw is ever written by
+(:func:`opacus_spectral.step.installation.install_fresh_grads`) so that no tensor a denoiser saw is ever written by
 a later backward. Measured in one run, on all-MiniLM-L6-v2 with the shapes of ``benchmarks/overhead.py``
 (:func:`dp_bench.commands.overhead.prepare`: DP-LoRA r = 16, and DP full fine-tuning of every Linear), one thread:
 the median time of that copy over the real gradients of a DP step, and the median time of the DP step itself
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opacus_spectral.installation import install_fresh_grads
+from opacus_spectral.step.installation import install_fresh_grads
 from torch import nn
 
 from opacus_spectral import PrivacyEngine

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from opacus_spectral.errors import ReproducibleNoiseWarning
 from torch import nn
 
-from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, ReproducibleNoiseWarning, noise_std
+from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, noise_std
 
 from ..config import opt, parse_config
 

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser, matrix_view
-from opacus_spectral.spectral import bulk_edge, shrink_singular_values
+from opacus_spectral.denoisers.rmt import PAPER_SETTING, RMTDenoiser, matrix_view
+from opacus_spectral.denoisers.rmt.spectral import bulk_edge, shrink_singular_values
 from torch import nn
 
 from opacus_spectral import NoisyGradient, PrivacyEngine

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser
+from opacus_spectral.denoisers.rmt import PAPER_SETTING, RMTDenoiser
+from opacus_spectral.errors import ReproducibleNoiseWarning
 
-from opacus_spectral import PrivacyEngine, ReproducibleNoiseWarning, causal_lm_loss
+from opacus_spectral import PrivacyEngine, causal_lm_loss
 
 from ..config import as_json, command_line, opt, parse_config
 from ..meta import RESULTS

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from opacus_spectral.rmt import PAPER_SETTING, RMTDenoiser, bulk_edge, rmt_denoise
+from opacus_spectral.denoisers.rmt import PAPER_SETTING, RMTDenoiser, bulk_edge, rmt_denoise
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine

@@ -17,7 +17,7 @@ Protocol (docs/results.md §10.1, written before the run):
   ``--epsilon`` (δ = 1e-5, PRV) over ``--budget-steps`` steps at that B — per-entry noise std s = nm·C/B. No
   denoiser runs inside the step: on each step's released (noisy) gradient and its clean clipped counterpart (the
   engine's ``summed_grad``), both paper A's setting (``rmt_paper``) and the library default (``rmt``) are applied
-  offline to every matrix (:func:`opacus_spectral.rmt.rmt_denoise`), so both see the same noisy gradient.
+  offline to every matrix (:func:`opacus_spectral.denoisers.rmt.rmt_denoise`), so both see the same noisy gradient.
 * Per matrix: gated or not (each setting); σ₁(noisy) / bulk edge s(√m + √n) (what the gate sees; the noise alone
   sits at ≈ 1); σ₁(clean) / s(mn)^¼ (the BBP phase transition: above 1 a spike is detectable at all); cos(released,
   clean) with no denoiser and with each setting. Reported per cell: the share of matrices gated, the global
@@ -85,17 +85,17 @@ class SpectrumProbe:
     and BBP ratios and the cosines of the released gradient (no denoiser / each setting) to the clean one."""
 
     def __init__(self, names: dict[int, str]) -> None:
-        from opacus_spectral.rmt import PAPER_SETTINGS, RMTSettings
+        from opacus_spectral.denoisers.rmt import PAPER_SETTINGS, RMTSettings
 
         self.names = names
         self.settings = {"rmt_paper": PAPER_SETTINGS, "rmt": RMTSettings()}
         self.steps: list[dict[str, Any]] = []
 
     def __call__(self, step: int, entry: dict[str, Any], dp_opt: Any) -> None:
-        from opacus_spectral.calibration import noise_std
-        from opacus_spectral.oracle import clean_gradients, cosine
-        from opacus_spectral.rmt import rmt_denoise
-        from opacus_spectral.spectral import bbp_threshold, bulk_edge
+        from opacus_spectral.denoisers.rmt import rmt_denoise
+        from opacus_spectral.denoisers.rmt.spectral import bbp_threshold, bulk_edge
+        from opacus_spectral.step.noise_std import noise_std
+        from opacus_spectral.step.oracle import clean_gradients, cosine
 
         s = noise_std(dp_opt)
         params = [p for p in dp_opt.params if id(p) in self.names and p.grad is not None and p.dim() == 2]

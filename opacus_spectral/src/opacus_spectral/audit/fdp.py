@@ -1,9 +1,9 @@
 """The f-DP one-run audit (Mahloujifar, Melis & Chaudhuri, *Auditing f-Differential Privacy in One Run*, ICML 2025,
 arXiv 2410.22235) for a Gaussian trade-off: pure statistics, ``docs/math.md`` §5.7.
 
-The experiment is the one of :mod:`.bound` (m canaries, each included with probability ½; ``k`` guesses, ``v`` of
-them right), but the null hypothesis is "every canary is μ-GDP" — the trade-off curve ``G_μ`` — instead of
-(ε, δ)-DP. With ``ψ(x) = Φ(Φ⁻¹(x) + μ)`` (the most probability an event of probability x under one input can
+The experiment is the one of :mod:`~opacus_spectral.audit.bound` (m canaries, each included with probability ½; ``k``
+guesses, ``v`` of them right), but the null hypothesis is "every canary is μ-GDP" — the trade-off curve ``G_μ`` —
+instead of (ε, δ)-DP. With ``ψ(x) = Φ(Φ⁻¹(x) + μ)`` (the most probability an event of probability x under one input can
 have under the other) and ``p_j = P[W = j]``, every level ``1 ≤ i ≤ k`` obeys (§5.7.1)
 
     Σ_{j≥i} j·p_j / m  ≤  ψ( Σ_{j≥i−1} (k−j)·p_j / m ).                                              (5.7)

@@ -12,7 +12,7 @@ scaling and every denoiser of ``post_hooks``), at the canary's coordinate, in un
 (``C/(B·k)`` for mean reduction). Scores (``docs/math.md`` §5.5): the sum over steps (the likelihood-ratio
 test for ``sample_rate = 1``), or the per-step likelihood ratio of a subsampled canary.
 
-Attach after ``make_private``; they subscribe to the optimizer's :mod:`~opacus_spectral.attachment` (injection at
+Attach after ``make_private``; they subscribe to the optimizer's :mod:`~opacus_spectral.step.attachment` (injection at
 ``BEFORE_NOISE``, reading at ``BEFORE_INNER_STEP`` after the denoiser pipeline, whatever the order of attaching)::
 
     canaries = GradientCanaries(optimizer, 5000, module=model, seed=0)
@@ -34,11 +34,11 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
-from ..attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
-from ..calibration import clean_scale, world_size
-from ..installation import HANDLE_ATTR
-from ..parameters import describe_parameters
-from ..selection import ParamFilter, resolve_param_filter
+from ..step.attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
+from ..step.installation import HANDLE_ATTR
+from ..step.noise_std import clean_scale, world_size
+from ..step.parameters import describe_parameters
+from ..step.selection import ParamFilter, resolve_param_filter
 from .claims import canary_epsilon
 from .guesses import AuditResult, audit_scores
 

@@ -1,8 +1,11 @@
 """Federated LA-LoRA: partitioning, DP clients, FedAvg of A/B/head, privacy ledger, two runners.
 
-Modules: :mod:`.config` (the run's :class:`FederationConfig`), :mod:`.builders` (what is built from it),
-:mod:`.task`, :mod:`.partition`, :mod:`.client`, :mod:`.server`, :mod:`.aggregate`, :mod:`.ledger`, the in-process
-runner :mod:`.simulation`, and the Flower deployment in the subpackage :mod:`.flower` (extra ``[flower]``).
+Modules: :mod:`~peft_lalora.federated.config` (the run's :class:`FederationConfig`),
+:mod:`~peft_lalora.federated.builders` (what is built from it), :mod:`~peft_lalora.federated.data.task`,
+:mod:`~peft_lalora.federated.data.partition`, :mod:`~peft_lalora.federated.client.dp_client`,
+:mod:`~peft_lalora.federated.server.rounds`, :mod:`~peft_lalora.federated.server.aggregate`,
+:mod:`~peft_lalora.federated.server.ledger`, the in-process runner :mod:`~peft_lalora.federated.simulation`, and the
+Flower deployment in the subpackage :mod:`~peft_lalora.federated.flower` (extra ``[flower]``).
 
 Heavy or optional dependencies are imported lazily: partitioning needs ``flwr-datasets`` and the Flower
 app needs ``flwr`` (extra ``[flower]``); the DP client needs ``opacus-spectral`` (extra ``[dp]``).
@@ -13,39 +16,38 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .aggregate import AggregationError, AggregationResult, Rejection, fedavg, validate_update
-from .ledger import PrivacyLedger, epsilon_from_history
+from .server.aggregate import AggregationError, AggregationResult, Rejection, fedavg, validate_update
+from .server.ledger import PrivacyLedger, epsilon_from_history
 
 _LAZY = {
-    "Partition": "partition",
-    "partition_dataset": "partition",
-    "dirichlet_partition": "partition",
-    "iid_partition": "partition",
-    "group_partition": "partition",
-    "label_skew": "partition",
-    "ClientConfig": "client",
-    "ClientUpdate": "client",
-    "DPClient": "client",
-    "ReplayedRoundError": "client",
-    "ReproducibleNoiseWarning": "client",
-    "Evaluator": "evaluate",
-    "classification_metrics": "evaluate",
-    "Task": "task",
-    "build_task": "task",
-    "FederationServer": "server",
-    "FederationPlan": "plan",
-    "RoundRecord": "server",
-    "adapter_state": "client",
-    "load_adapter_state": "client",
+    "Partition": "data.partition",
+    "partition_dataset": "data.partition",
+    "dirichlet_partition": "data.partition",
+    "iid_partition": "data.partition",
+    "group_partition": "data.partition",
+    "label_skew": "data.partition",
+    "ClientConfig": "client.dp_client",
+    "ClientUpdate": "client.dp_client",
+    "DPClient": "client.dp_client",
+    "ReplayedRoundError": "client.dp_client",
+    "Evaluator": "server.evaluate",
+    "classification_metrics": "server.evaluate",
+    "Task": "data.task",
+    "build_task": "data.task",
+    "FederationServer": "server.rounds",
+    "FederationPlan": "server.plan",
+    "RoundRecord": "server.rounds",
+    "adapter_state": "client.dp_client",
+    "load_adapter_state": "client.dp_client",
     "ALGORITHMS": "config",
     "FILTERS": "config",
     "FederationConfig": "config",
     "TaskSettings": "config",
-    "FederationResult": "server",
+    "FederationResult": "server.rounds",
     "run_simulation": "simulation",
-    "LocalFederation": "flower",
-    "run_flower": "flower",
-    "TLSConfig": "flower",
+    "LocalFederation": "launcher",
+    "run_flower": "launcher",
+    "TLSConfig": "launcher",
 }
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""What both runners build from a :class:`~.config.FederationConfig`: the client settings, the adapter model, the
-partition, the clients, the evaluator, the round's sample and its aggregate.
+"""What both runners build from a :class:`~peft_lalora.federated.config.FederationConfig`: the client settings, the
+adapter model, the partition, the clients, the evaluator, the round's sample and its aggregate.
 
-Every :class:`~.client.ClientConfig` field is named where :func:`client_config` builds it (those the run does not
-set are listed in :data:`CLIENT_DEFAULTS_KEPT`): a renamed field is an error, not a silent default.
+Every :class:`~peft_lalora.federated.client.dp_client.ClientConfig` field is named where :func:`client_config` builds it
+(those the run does not set are listed in :data:`CLIENT_DEFAULTS_KEPT`): a renamed field is an error, not a silent
+default.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .client import REPRODUCIBLE_NOISE_NOTE, ClientConfig, DPClient, NamedInputsLoss
+from .client.dp_client import REPRODUCIBLE_NOISE_NOTE, ClientConfig, DPClient, NamedInputsLoss
 from .config import FILTERS, FederationConfig, clients_per_round
-from .task import Task, build_task
+from .data.task import Task, build_task
 
 __all__ = [
     "CLIENT_DEFAULTS_KEPT",
@@ -37,8 +38,9 @@ CLIENT_DEFAULTS_KEPT: tuple[str, ...] = ("momentum", "grad_sample_mode", "secure
 
 
 def client_config(cfg: FederationConfig) -> ClientConfig:
-    """The :class:`~.client.ClientConfig` every client of ``cfg`` shares: σ calibrated for ``(epsilon, delta)`` over
-    ``rounds × local_steps`` steps when ``epsilon > 0`` (else ``noise_multiplier``), and the filter's post_hooks."""
+    """The :class:`~peft_lalora.federated.client.dp_client.ClientConfig` every client of ``cfg`` shares: σ calibrated
+    for ``(epsilon, delta)`` over ``rounds × local_steps`` steps when ``epsilon > 0`` (else ``noise_multiplier``), and
+    the filter's post_hooks."""
     calibrate = cfg.epsilon > 0
     return ClientConfig(
         local_steps=cfg.local_steps,
@@ -59,9 +61,9 @@ def client_config(cfg: FederationConfig) -> ClientConfig:
 
 
 def make_peft_config(cfg: FederationConfig) -> Any:
-    """The ``LALoraConfig`` of the run (alternation from ``cfg.algo`` through :data:`~.config.ALGORITHMS`;
-    classifier head trainable)."""
-    from ..config import LALoraConfig
+    """The ``LALoraConfig`` of the run (alternation from ``cfg.algo`` through
+    :data:`~peft_lalora.federated.config.ALGORITHMS`; classifier head trainable)."""
+    from ..tuners.lalora.config import LALoraConfig
 
     return LALoraConfig(
         task_type="SEQ_CLS",
@@ -87,7 +89,7 @@ def make_peft_model(cfg: FederationConfig, task: Task) -> Any:
 
 def build_partition(cfg: FederationConfig, task: Task) -> Any:
     """Split ``task.train`` over ``cfg.num_clients`` clients as ``cfg.partition`` says."""
-    from .partition import dirichlet_partition, group_partition, iid_partition
+    from .data.partition import dirichlet_partition, group_partition, iid_partition
 
     if cfg.partition == "iid":
         return iid_partition(task.train, cfg.num_clients, seed=cfg.seed)
@@ -101,12 +103,13 @@ def build_partition(cfg: FederationConfig, task: Task) -> Any:
 
 
 def build_client(cfg: FederationConfig, task: Task, partition: Any, client_id: int) -> DPClient:
-    """The :class:`~.client.DPClient` for partition ``client_id``."""
+    """The :class:`~peft_lalora.federated.client.dp_client.DPClient` for partition ``client_id``."""
     return make_client(cfg, task, task.tensors("train", partition.indices[client_id]), client_id)
 
 
 def make_client(cfg: FederationConfig, task: Task, data: Any, client_id: int) -> DPClient:
-    """The :class:`~.client.DPClient` ``client_id`` training on ``data`` (its own rows)."""
+    """The :class:`~peft_lalora.federated.client.dp_client.DPClient` ``client_id`` training on ``data`` (its own
+    rows)."""
     return DPClient(
         client_id,
         make_peft_model(cfg, task),
@@ -120,7 +123,7 @@ def make_client(cfg: FederationConfig, task: Task, data: Any, client_id: int) ->
 
 def build_evaluator(cfg: FederationConfig, task: Task) -> Any:
     """Server-side evaluator; its freshly built adapter is the initial global state."""
-    from .evaluate import Evaluator
+    from .server.evaluate import Evaluator
 
     return Evaluator(make_peft_model(cfg, task), None, task.tensors("test"), input_names=task.input_names)
 
@@ -162,9 +165,10 @@ def aggregate_updates(
     """FedAvg of the round's updates in client-id order (same float sums in every runner).
 
     ``num_examples`` must be the sizes the *server* assigned (``partition.sizes``), never client reports.
-    ``update_bound``: the bound the server computed (:func:`~.update_bound.server_update_bound`); ``None``:
-    ``cfg.max_update_norm`` (0 = none)."""
-    from .aggregate import fedavg
+    ``update_bound``: the bound the server computed
+    (:func:`~peft_lalora.federated.server.update_bound.server_update_bound`); ``None``: ``cfg.max_update_norm`` (0 =
+    none)."""
+    from .server.aggregate import fedavg
 
     order = sorted(range(len(client_ids)), key=lambda i: client_ids[i])
     return fedavg(

@@ -3,7 +3,7 @@
 :class:`FederationConfig` is flat (str / int / float / bool), so it doubles as a Flower ``run_config`` and
 as the ``peft-lalora federate`` command line (one flag per field, :mod:`peft_lalora.cli`): the in-process
 runner and every Flower process rebuild *the same* task, partition, clients and evaluator from it
-(:mod:`.builders`; this module imports none of them). The four algorithms of the LA-LoRA paper
+(:mod:`~peft_lalora.federated.builders`; this module imports none of them). The four algorithms of the LA-LoRA paper
 (arXiv 2602.19926) are four values of ``LALoraConfig.alternation`` — not four code paths; :data:`ALGORITHMS` is
 the one table between the federated ``algo`` and the alternation mode:
 
@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aggregate import NORM_POLICIES, RULES, trim_problem
-from .ledger import ACCOUNTANTS, check_accountant
+from .server.aggregate import NORM_POLICIES, RULES, trim_problem
+from .server.ledger import ACCOUNTANTS, check_accountant
 
 __all__ = [
     "ALGORITHMS",
@@ -118,9 +118,10 @@ def check_numbers(cfg: Any) -> None:
 
 @dataclass(frozen=True)
 class TaskSettings:
-    """What a task is built from (:func:`~.task.build_task`, a task factory's argument): the data, the base model
-    and the seed — the task part of a :class:`FederationConfig` (:meth:`FederationConfig.task_settings`), validated
-    here. Field meanings: the ``FederationConfig`` fields of the same name."""
+    """What a task is built from (:func:`~peft_lalora.federated.data.task.build_task`, a task factory's argument): the
+    data, the base model and the seed — the task part of a :class:`FederationConfig`
+    (:meth:`FederationConfig.task_settings`), validated here. Field meanings: the ``FederationConfig`` fields of the
+    same name."""
 
     task: str = "text"
     model: str = ""
@@ -176,7 +177,8 @@ class FederationConfig:
     Privacy: ``epsilon > 0`` calibrates each client's σ so that a client sampled in *every* round ends at
     ``(epsilon, delta)`` after ``rounds × local_steps`` steps; ``epsilon = 0`` uses ``noise_multiplier``. Every number
     is checked (:func:`check_numbers`: NaN, ±∞ and out-of-range values are :class:`ConfigError`); ``delta`` must also
-    be below 1/N for every partition's N records, checked once the sizes are known (:func:`~.ledger.check_delta`).
+    be below 1/N for every partition's N records, checked once the sizes are known
+    (:func:`~peft_lalora.federated.server.ledger.check_delta`).
 
     ``reproducible_noise`` (default ``False``): seed each client's DP noise, Poisson sampling and dropout from
     ``(seed, client, round)`` instead of fresh OS entropy — so that runners can be compared bit for bit.
@@ -184,7 +186,7 @@ class FederationConfig:
     knows the seed**: experiments only. The result JSON records it (:func:`noise_record`).
     """
 
-    # -- task (see peft_lalora.federated.task)
+    # -- task (see peft_lalora.federated.data.task)
     task: str = _opt("text", "'text' (your model + data) or 'package.module:factory' returning a Task")
     model: str = _opt("", "task=text: model folder (or hub id) for AutoModelForSequenceClassification")
     data: str = _opt("", "task=text: CSV / JSON Lines file or datasets.save_to_disk folder")
@@ -326,8 +328,9 @@ class FederationConfig:
         return ALGORITHMS[self.algo]
 
     def task_settings(self) -> TaskSettings:
-        """The fields that define the task's data and base model: what :func:`~.task.build_task` and a task factory
-        read (every :class:`TaskSettings` field named here; ``tests`` pin that none is left out)."""
+        """The fields that define the task's data and base model: what
+        :func:`~peft_lalora.federated.data.task.build_task` and a task factory read (every :class:`TaskSettings` field
+        named here; ``tests`` pin that none is left out)."""
         return TaskSettings(
             task=self.task,
             model=self.model,

@@ -1,14 +1,15 @@
 """In-process federated runner: fast, deterministic, with a progress bar.
 
-It drives the same :class:`~peft_lalora.federated.server.FederationServer` (sampling, privacy charges,
-FedAvg, evaluation, records) and the same :class:`~peft_lalora.federated.client.DPClient` as the Flower app,
+It drives the same :class:`~peft_lalora.federated.server.rounds.FederationServer` (sampling, privacy charges,
+FedAvg, evaluation, records) and the same :class:`~peft_lalora.federated.client.dp_client.DPClient` as the Flower app,
 so both runners give the same global adapter for the same configuration (with ``reproducible_noise``; by
 default every round's noise is fresh OS entropy). Clients are built once, when first sampled, and keep
 their Opacus engine and accountant for the whole run.
 
-What a client hands the server is exactly what a Flower client sends (:func:`~.replies.reply_metrics`: the
-noisy state and the accountant history; the noise-free training loss only with ``release_nonprivate_stats``).
-The runner holds the shared source, so the plan (partition sizes) is computed from it.
+What a client hands the server is exactly what a Flower client sends
+(:func:`~peft_lalora.federated.server.replies.reply_metrics`: the noisy state and the accountant history; the noise-free
+training loss only with ``release_nonprivate_stats``). The runner holds the shared source, so the plan (partition sizes)
+is computed from it.
 
 A client that raises is recorded like a Flower error reply — a category (``client_setup_error`` when it could not
 be built, ``training_error`` or ``replayed_round`` when it failed in a round) in the round's ``rejected``, its
@@ -16,7 +17,7 @@ exception logged on this process's ``peft_lalora.federated`` logger, never in th
 before failing in the ledger, and the round goes on with the others; a round with no valid update keeps the
 global adapter and records why (``error``) — as in the Flower app. This runner holds the client, so it can prove
 that a failed client ran no DP step in the round (its accountant did not move): only then is the round's
-charge withdrawn (:meth:`~.server.FederationServer.reject`).
+charge withdrawn (:meth:`~peft_lalora.federated.server.rounds.FederationServer.reject`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Any
 import torch
 
 from .builders import build_client
-from .client import ReplayedRoundError
+from .client.dp_client import ReplayedRoundError
 from .config import FederationConfig
-from .replies import history_of, reply_metrics
-from .server import FederationResult, FederationServer, RoundRecord
-from .task import Task
+from .data.task import Task
+from .server.replies import history_of, reply_metrics
+from .server.rounds import FederationResult, FederationServer, RoundRecord
 
 __all__ = ["FederationResult", "RoundRecord", "run_simulation"]
 
@@ -85,7 +86,7 @@ def run_simulation(
         cfg: the experiment.
         progress: show a tqdm bar (accuracy and max ε in the postfix).
         on_round: called after every round with its record and the new global state.
-        task: a task already built by :func:`~peft_lalora.federated.task.build_task` for a config with the same
+        task: a task already built by :func:`~peft_lalora.federated.data.task.build_task` for a config with the same
             :meth:`~FederationConfig.task_key` (reused across runs, e.g. a grid that differs only in the
             algorithm). Read-only here.
     """

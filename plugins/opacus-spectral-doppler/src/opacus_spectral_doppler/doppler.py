@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from opacus_spectral.selection import Selector
+from opacus_spectral.denoisers import Selector
 
 from opacus_spectral import Denoiser, NoisyGradient
 

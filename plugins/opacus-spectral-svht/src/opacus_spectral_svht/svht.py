@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-from opacus_spectral.selection import Selector
+from opacus_spectral.denoisers import Selector
 
 from opacus_spectral import Denoiser, NoisyGradient
 

@@ -1,10 +1,10 @@
-"""The Flower deployment of a federation (extra ``[flower]``): the Flower app (:mod:`.app`: ``ServerApp``,
-``ClientApp``, the strategy) and a one-command local federation on loopback (:func:`run_flower`,
+"""The Flower deployment of a federation (extra ``[flower]``): the Flower app (:mod:`~peft_lalora.federated.flower.app`:
+``ServerApp``, ``ClientApp``, the strategy) and a one-command local federation on loopback (:func:`run_flower`,
 :class:`LocalFederation`: processes, TLS certificates, SuperNode keys, private work folders).
 
-Importing this package imports neither ``flwr`` nor ``cryptography``: :mod:`.app` imports ``flwr`` (the Flower
-processes load it by module path, ``peft_lalora.federated.flower.app:server_app``), the key and certificate
-writers import ``cryptography`` when called. See ``docs/deployment.md``.
+Importing this package imports neither ``flwr`` nor ``cryptography``: :mod:`~peft_lalora.federated.flower.app` imports
+``flwr`` (the Flower processes load it by module path, ``peft_lalora.federated.flower.app:server_app``), the key and
+certificate writers import ``cryptography`` when called. See ``docs/deployment.md``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
-    "INSECURE_WARNING": "launcher",
-    "LocalFederation": "launcher",
-    "TLSConfig": "certificates",
-    "generate_tls": "certificates",
-    "NodeKeys": "node_keys",
-    "generate_node_keys": "node_keys",
-    "run_flower": "run",
     "APP_MODULE": "app_config",
     "write_flower_app": "app_config",
 }

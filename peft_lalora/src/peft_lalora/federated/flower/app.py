@@ -1,15 +1,16 @@
 """The Flower app: ``ServerApp`` + ``ClientApp`` + a FedAvg strategy for LA-LoRA (Flower ≥ 1.42 Message API).
 
-Same client, sampling and aggregation code as the in-process runner (:mod:`..simulation`); the run is
-described by a :class:`~peft_lalora.federated.config.FederationConfig` passed as Flower
-``run_config``, which carries the operator's plan (``partition-sizes``, :mod:`.plan`).
+Same client, sampling and aggregation code as the in-process runner (:mod:`~peft_lalora.federated.simulation`); the run
+is described by a :class:`~peft_lalora.federated.config.FederationConfig` passed as Flower
+``run_config``, which carries the operator's plan (``partition-sizes``, :mod:`~peft_lalora.federated.server.plan`).
 
 What the server holds: the plan, the base model and, for evaluation, only the operator's own evaluation data
 (``test_data`` or a factory's separate test set) — it builds the task with ``server=True`` and never loads a
 training row. Each node loads only its own data: the file in its ``node_config["data"]`` (a real deployment,
 all of it) or its partition of the shared source in the run config (the local runner); a node whose data does
 not have the planned size refuses. A reply carries the noisy adapter and the allowlisted accounting numbers
-only (:mod:`.replies`); the noise-free training loss only with ``release-nonprivate-stats = true``.
+only (:mod:`~peft_lalora.federated.server.replies`); the noise-free training loss only with ``release-nonprivate-stats =
+true``.
 
 Protocol:
 
@@ -27,20 +28,21 @@ Protocol:
    local steps) to its ledger when it sends the message, and adds the accountant history the reply carries
    (``dp-noise-multiplier`` / ``dp-q`` / ``dp-steps``), bounded first (no more steps than charged, σ > 0, finite; else
    the reply is refused with its reason); the reported ε is the
-   larger of the two (:mod:`.ledger`). A reply's arrays are parsed against the global adapter's keys, shapes and
-   dtypes before anything is allocated (:func:`~..replies.state_from_arrays`); any malformed field rejects that
-   reply only. A node whose round fails replies with an error whose reason is only its category
-   (:data:`~..replies.CLIENT_FAILURES`; the detail goes to the node's own log), and the server records only a
-   category and the node id, never an error text. ``aggregate_train`` runs :func:`aggregate_updates` (validation,
-   update-norm bound, FedAvg of A, B and head); centralized evaluation on the operator's evaluation data
-   (when there is any) after every round. A round in which every reply failed, was malformed or was
-   rejected keeps the previous global adapter and records why (``error`` and ``rejected`` in its result
-   record); the run goes on.
+   larger of the two (:mod:`~peft_lalora.federated.server.ledger`). A reply's arrays are parsed against the global
+   adapter's keys, shapes and dtypes before anything is allocated
+   (:func:`~peft_lalora.federated.server.replies.state_from_arrays`); any malformed field rejects that reply only. A
+   node whose round fails replies with an error whose reason is only its category
+   (:data:`~peft_lalora.federated.server.replies.CLIENT_FAILURES`; the detail goes to the node's own log), and the
+   server records only a category and the node id, never an error text. ``aggregate_train`` runs
+   :func:`aggregate_updates` (validation, update-norm bound, FedAvg of A, B and head); centralized evaluation on the
+   operator's evaluation data (when there is any) after every round. A round in which every reply failed, was malformed
+   or was rejected keeps the previous global adapter and records why (``error`` and ``rejected`` in its result record);
+   the run goes on.
 
 The deployment engine starts a fresh ClientApp process per message, so a client is rebuilt every
 round; its accountant history and the last round it ran are kept in ``context.state`` (they never leave
 the node except as the history the ledger needs). A train message for a round the node has already run
-is refused (:class:`~peft_lalora.federated.client.ReplayedRoundError`, an error reply). The DP noise is
+is refused (:class:`~peft_lalora.federated.client.dp_client.ReplayedRoundError`, an error reply). The DP noise is
 fresh OS entropy by default; with ``reproducible-noise = true`` it is re-derived from the seeds, which
 is why both runners then produce the same global adapter.
 """
@@ -61,7 +63,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from ..replies import failure_category, history_of, number, reply_metrics, state_from_arrays
+from ..server.replies import failure_category, history_of, number, reply_metrics, state_from_arrays
 from .app_config import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
 
 # The Flower app is loaded by module path (``peft_lalora.federated.flower.app:server_app`` /
@@ -69,7 +71,7 @@ from .app_config import RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY
 # the handlers, so importing this module stays cheap.
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import FederationConfig
-    from ..server import FederationServer
+    from ..server.rounds import FederationServer
 
 __all__ = ["LALoraStrategy", "assign_partitions", "client_app", "server_app"]
 
@@ -122,7 +124,7 @@ def _local_data(cfg: FederationConfig, context: Context, pid: int) -> tuple[Any,
     import dataclasses
 
     from ..builders import build_partition, build_task
-    from ..plan import check_local_size
+    from ..server.plan import check_local_size
 
     own = str(context.node_config.get("data", "") or "")
     if own:  # the node's own file is its partition (test_data set: nothing is carved from it)
@@ -199,8 +201,8 @@ def _save_state(context: Context, client: Any, pid: int) -> None:
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
     """One DP round on this node's partition; a failure is an error reply naming only its category
-    (:data:`~..replies.CLIENT_FAILURES`), logged in full here, on the node."""
-    from ..client import ReplayedRoundError
+    (:data:`~peft_lalora.federated.server.replies.CLIENT_FAILURES`), logged in full here, on the node."""
+    from ..client.dp_client import ReplayedRoundError
 
     try:
         return _train_round(msg, context)
@@ -230,7 +232,7 @@ def _train_round(msg: Message, context: Context) -> Message:
 
 # ================================================================================================ server
 class LALoraStrategy(FedAvg):
-    """Flower's FedAvg driving a :class:`~peft_lalora.federated.server.FederationServer`: server-side partition
+    """Flower's FedAvg driving a :class:`~peft_lalora.federated.server.rounds.FederationServer`: server-side partition
     assignment, replies attributed by sender, validation, the privacy ledger and the round records.
 
     Args:
@@ -378,8 +380,8 @@ def _server_main(grid: Grid, context: Context) -> None:
     import torch
 
     from ..builders import build_task, noise_record
-    from ..plan import FederationPlan
-    from ..server import FederationServer
+    from ..server.plan import FederationPlan
+    from ..server.rounds import FederationServer
 
     t0 = time.perf_counter()
     _set_threads(context)

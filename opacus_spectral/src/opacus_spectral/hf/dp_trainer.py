@@ -1,0 +1,561 @@
+"""``DPTrainer``: differentially private fine-tuning with the Hugging Face ``Trainer`` (``pip install
+opacus-spectral[hf]``), user guide in ``docs/trainer.md``.
+
+What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :mod:`~opacus_spectral.hf.checks`):
+
+* ``get_train_dataloader``: Poisson sampling exactly as Opacus does it (``DPDataLoader.from_data_loader`` on a
+  loader of logical batches of ``per_device_train_batch_size × gradient_accumulation_steps`` examples, drawn with
+  the engine's sampler generator: OS entropy, or ``noise_seed``; never the global RNG the Trainer seeds), each
+  logical batch split into ``gradient_accumulation_steps`` physical batches (:class:`PhysicalBatches`), so the
+  Trainer's accumulation loop sees exactly that many micro-batches per optimizer step;
+* ``create_optimizer``: the Trainer's optimizer goes through ``opacus_spectral.PrivacyEngine.make_private``
+  (``wrap_model=False``: the model stays the user's ``PeftModel``), the noise multiplier from
+  :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` for the run's ``max_steps`` and the same
+  accountant (with a privacy record on the model, :mod:`~opacus_spectral.accounting.record`: for that history and this
+  run together); a resumed run's accountant and denoiser state are restored;
+* ``_save``: the privacy record beside the adapter (``privacy_record.json``);
+* ``_wrap_model``: across processes (``torchrun``) the model goes into Opacus' ``DPDDP``, never torch DDP, the logical
+  batch spans the ranks and each rank samples its own share of the records (:mod:`~opacus_spectral.hf.distributed`);
+* ``training_step``: the per-example loss of each micro-batch (:mod:`~opacus_spectral.hf.loss`: causal LM, token or
+  sequence classification; per-sample gradients clipped in float32 under bf16, :mod:`~opacus_spectral.step.precision`),
+  then BatchMemoryManager's virtual step (clip and accumulate, no noise) for all but the last micro-batch; the
+  Trainer's own ``optimizer.step()`` on the last one adds the noise once per logical batch;
+* ``prediction_step`` / ``evaluation_loop``: a causal LM's ``eval_loss`` is the per-token mean next-token
+  cross-entropy over the whole evaluation set, ``eval_perplexity`` its exponential;
+* ``log``: ε and δ join every log record (so ``report_to`` sends them; ε = inf once a step had noise 0); a training
+  record keeps only the keys of :mod:`~opacus_spectral.hf.logs` (loss, FLOP and token counts, timing: dropped) unless
+  ``release_nonprivate_stats=True``; ``floating_point_ops`` counts nothing, so ``total_flos`` stays 0;
+* ``_save_checkpoint`` / ``_load_from_checkpoint``: the DP state travels in ``opacus_spectral_dp.pt``, checked on
+  resume against the Trainer's step counters and the loaded weights (:mod:`~opacus_spectral.hf.state`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from opacus.data_loader import DPDataLoader
+from opacus.optimizers import DPOptimizer
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..accounting.record import STATE_KEY as RECORD_STATE_KEY
+from ..accounting.record import (
+    composed_steps,
+    noise_multiplier_after,
+    privacy_record_of,
+    restore_record,
+    resume_state,
+    save_privacy_record,
+    set_run_delta,
+    trainer_prior,
+)
+from ..denoisers.base import denoiser_name
+from ..doctor.doctor import DoctorSetting, accounted_steps
+from ..engine import PrivacyEngine
+from ..plugins.registry import DenoiserSpec
+from ..step.grad_sample import set_trainable
+from ..step.noise_source import NoiseSource
+from . import loss as trainer_loss
+from .batch_check import TrainerBatchCheck, with_positions
+from .budget import DPControl, budget_steps, spends_infinite_epsilon
+from .checks import check_run_length, check_supported, check_train_dataset
+from .distributed import (
+    LockstepPoissonSampler,
+    check_evaluation,
+    check_ranks_agree,
+    is_distributed,
+    rank_wrapper,
+    run_setup,
+)
+from .logs import drop_unlisted
+from .loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
+from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
+from .precision import check_trainable_dtypes
+from .progress import install_progress
+from .state import (
+    DP_STATE_FILE,
+    check_parameters,
+    check_resume,
+    dp_state,
+    parameters_digest,
+    read_checkpoint,
+    resumed_noise_seed,
+)
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` with DP-SGD (Opacus, Poisson sampling) and optional post-noise denoisers.
+
+    Takes every ``Trainer`` argument, plus (keyword-only):
+
+    Args:
+        target_epsilon: the budget; the noise multiplier is calibrated so that ``max_steps`` (or the epochs) end
+            within it, and training stops early if a given ``noise_multiplier`` would exceed it.
+        target_delta: δ of the guarantee (required; also the δ at which ε is logged).
+        noise_multiplier: the noise multiplier (noise std / ``max_grad_norm``); ``None`` calibrates it from
+            ``target_epsilon``.
+        max_grad_norm: per-example clipping bound (``TrainingArguments.max_grad_norm`` is not used).
+        post_hooks: denoisers run on the noisy gradient each logical step (``make_private(post_hooks=...)``).
+        grad_sample_mode: ``"hooks"`` (default), ``"functorch"`` or ``"ghost"``.
+        accountant: ``"prv"`` (default) or ``"rdp"``: upper bounds for the Poisson sampling used here. ``"gdp"``
+            (Opacus' CLT approximation, not a bound) is refused with ``target_epsilon`` and, with a given noise
+            multiplier, its ε is logged with ``epsilon_approximate: True``.
+        secure_mode: Opacus' cryptographically secure RNG (torchcsprng) for sampling and noise.
+        noise_seed: ``None`` (default): noise and Poisson sample from OS-entropy generators, whatever
+            ``TrainingArguments.seed``. An int: reproducible runs that are NOT private against whoever knows the
+            seed (warns ``ReproducibleNoiseWarning``).
+        task: ``"causal_lm"``, ``"token_classification"``, ``"sequence_classification"`` or ``None`` (default:
+            from the PEFT ``task_type`` and the model class; token-level labels of a model neither places are
+            refused). Decides each example's loss (:mod:`~opacus_spectral.hf.loss`).
+        criterion: sequence classification under ghost clipping: the per-example loss (default
+            ``nn.CrossEntropyLoss`` on ``logits``, with ``TrainingArguments.label_smoothing_factor``).
+        doctor: ``"raise"`` (default), ``"warn"`` or ``False`` — see :mod:`~opacus_spectral.doctor.doctor`.
+        alternation: attach peft_lalora's alternation controller (with the active LALoRA adapter's schedule) when
+            the model carries a LALoRA adapter and no controller is attached yet.
+        release_nonprivate_stats: also log the training loss, token and FLOP counts and timing (NOT private).
+        batch_check: before the first DP step, check that no record's gradient depends on the other records of its
+            batch (:mod:`~opacus_spectral.hf.batch_check`; it also decides whether left-padded batches get
+            ``position_ids``): ``"raise"`` (default), ``"warn"`` or ``False``.
+        make_private_kwargs: further ``make_private`` arguments (``on_denoiser_error``, ``on_nonfinite_grad``, ...).
+        new_privacy_unit: a model that carries a privacy record (DP-trained before,
+        :mod:`~opacus_spectral.accounting.record`) is
+            composed with: ε continues from it, and ``target_epsilon`` bounds the total. ``True`` states that the
+            training data are a different privacy unit than the earlier runs': ε starts from 0.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        noise_multiplier: float | None = None,
+        max_grad_norm: float = 1.0,
+        post_hooks: Sequence[DenoiserSpec] | None = None,
+        grad_sample_mode: str = "hooks",
+        accountant: str = "prv",
+        secure_mode: bool = False,
+        noise_seed: int | None = None,
+        task: str | None = None,
+        criterion: nn.Module | None = None,
+        doctor: DoctorSetting = "raise",
+        alternation: bool = True,
+        release_nonprivate_stats: bool = False,
+        make_private_kwargs: dict[str, Any] | None = None,
+        new_privacy_unit: bool = False,
+        batch_check: str | bool = "raise",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.target_epsilon, self.target_delta = target_epsilon, target_delta
+        self.noise_multiplier, self.max_grad_norm = noise_multiplier, float(max_grad_norm)
+        self.post_hooks_spec, self.grad_sample_mode = post_hooks, grad_sample_mode
+        self.criterion, self.doctor_setting, self.alternation = criterion, doctor, alternation
+        self.release_nonprivate_stats = release_nonprivate_stats
+        self.make_private_kwargs = dict(make_private_kwargs or {})
+        self.new_privacy_unit = new_privacy_unit
+        self.prior_steps = 0  #: steps of the model's privacy record this run composed with (.privacy_record)
+        self.batch_check: str | bool = "raise" if batch_check is True else batch_check
+        self.position_ids_from_mask = False  #: left-padded batches get position_ids (set by the batch check)
+        self.batch_check_result: TrainerBatchCheck | None = None  #: the check's outcome and cost, once it ran
+        self._check_data: tuple[Any, Any] | None = None  #: the training set and collator the check reads
+        self.task = resolve_task(self.model, task)
+        check_supported(self)
+        self.noise_seed = noise_seed
+        self.privacy_engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode, noise_seed=noise_seed)
+        self.sample_rate: float | None = None
+        self.budget_steps: int | None = None  #: DP steps (total) within target_epsilon; None: the whole run fits
+        self.controller: Any = None  #: the AlternationController DPTrainer attached, if any
+        self._logical_loader: DataLoader | None = None
+        self._dp: DPOptimizer | None = None
+        self._ranks: nn.Module | None = None  #: Opacus' DPDDP around the model, across processes
+        self._hooks: Any = None
+        self._dp_criterion: Any = None
+        self._resume: Any = None  #: the ResumeEvidence of the checkpoint being resumed
+        self._evaluating = False
+        self._warned_keys: set[str] = set()
+        self._clear_pending = False
+        self._trained = False
+        self._eps_cache: tuple[int, float] = (-1, 0.0)
+        self._eval_sums: list[float] = [0.0, 0]  #: next-token loss sum and target count of the running evaluation
+        self.add_callback(DPControl(self))
+        install_progress(self)  # no per-step timing in the progress bar (.trainer_progress)
+
+    # -- data ---------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson logical batches (Opacus' ``DPDataLoader``), each as ``gradient_accumulation_steps`` micro-batches."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collate = self.train_dataset, self.data_collator
+        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # datasets.Dataset
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        check_train_dataset(dataset)
+        self._check_data = (dataset, collate)
+        k, ranks = self.args.gradient_accumulation_steps, max(1, self.args.world_size)
+        logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate)
+        generator = self.privacy_engine.sampler_generator(distributed=ranks > 1)
+        poisson = DPDataLoader.from_data_loader(logical, generator=generator, distributed=ranks > 1)
+        self._logical_loader, self.sample_rate = logical, poisson.sample_rate
+        self._poisson_sampler = poisson.batch_sampler  # what the doctor pairs DP steps with (create_optimizer)
+        install_progress(self)  # a timed bar added since construction (.trainer_progress)
+        if ranks > 1:  # the same data, order and set-up on every rank (checked among them); this rank's shard at
+            check_ranks_agree(run_setup(self, dataset))  # rate q, an empty batch included (.trainer_distributed)
+            self._poisson_sampler = LockstepPoissonSampler(
+                total_size=len(dataset), sample_rate=self.sample_rate, generator=generator
+            )
+        return DataLoader(
+            dataset,
+            batch_sampler=PhysicalBatches(self._poisson_sampler, k),
+            collate_fn=EmptyAwareCollate(collate, dataset),
+            generator=generator,  # as Opacus' DPDataLoader: each epoch's iterator draws its base seed from it
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+        )
+
+    # -- privacy ------------------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, made private by ``PrivacyEngine.make_private`` (Poisson sampling)."""
+        if self._dp is not None:
+            return self.optimizer
+        if self._logical_loader is None:
+            raise RuntimeError("get_train_dataloader() must run before create_optimizer()")
+        optimizer = super().create_optimizer(model)
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("pass a plain torch optimizer (optimizers=...): DPTrainer makes it private itself")
+        check_trainable_dtypes(optimizer)
+        noise_multiplier = self.noise_multiplier
+        if noise_multiplier is None:
+            check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
+            prior = trainer_prior(self.privacy_engine, self.model, self.new_privacy_unit, self._resume)
+            noise_multiplier = noise_multiplier_after(
+                prior,
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                sample_rate=self.sample_rate,
+                steps=self.state.max_steps,
+                accountant=self.privacy_engine.accountant.mechanism(),
+            )
+        criterion = self.criterion or trainer_loss.ghost_criterion(self.label_smoother)  # smoothed per example
+        extra: dict[str, Any] = {"criterion": criterion} if self._ghost else {}
+        self.model.train()  # as training_step does; evaluate() or from_pretrained leave eval mode, Opacus refuses it
+        if is_distributed(self):  # Opacus' DPDDP: make_private builds the distributed optimizer
+            self._ranks = rank_wrapper(self.model)
+        module = self.model if self._ranks is None else self._ranks
+        out = self.privacy_engine.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=self._logical_loader,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            poisson_sampling=True,
+            grad_sample_mode=self.grad_sample_mode,
+            wrap_model=False,
+            post_hooks=self.post_hooks_spec,
+            doctor=self.doctor_setting,
+            new_privacy_unit=self.new_privacy_unit,
+            batch_check=False,  # the Trainer checks per-example gradients itself (training_step)
+            **extra,
+            **self.make_private_kwargs,
+        )
+        self._hooks, self._dp = out[0], out[1]
+        self._dp_criterion = out[2] if self._ghost else None
+        if self.privacy_engine.doctor is not None:  # the steps draw from our Poisson loader, not make_private's
+            self.privacy_engine.doctor.watch_batches(self._poisson_sampler)
+        if out[-1].sample_rate != self.sample_rate:  # the loader we train on and the accountant must agree
+            raise RuntimeError(f"sample rates differ: loader {self.sample_rate}, accountant {out[-1].sample_rate}")
+        self.noise_multiplier = self._dp.noise_multiplier
+        set_run_delta(self.privacy_engine, self.target_delta)
+        if self._resume is not None:
+            self._restore(self._resume)
+        self.prior_steps = composed_steps(self.privacy_engine)  # the accountant's history starts with them
+        total = budget_steps(
+            self.privacy_engine.accountant,
+            max_steps=self.state.max_steps + self.prior_steps,
+            target_epsilon=self.target_epsilon,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate,
+            delta=self.target_delta,
+        )
+        self.budget_steps = None if total is None else total - self.prior_steps
+        self.optimizer = self._dp
+        return self._dp
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Across processes: the model in Opacus' DPDDP (accelerate's autocast and placement, never torch DDP)."""
+        if not (training and self._ranks is not None):
+            return super()._wrap_model(model, training, dataloader)
+        self.accelerator.prepare_model(self.model, evaluation_mode=True)  # evaluation_mode: no DDP wrapper
+        return self._ranks
+
+    @property
+    def _ghost(self) -> bool:
+        return self.grad_sample_mode == "ghost"
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta`` (default ``target_delta``), from Opacus' accountant."""
+        steps = accounted_steps(self.privacy_engine.accountant)
+        if steps == 0:
+            return 0.0
+        if spends_infinite_epsilon(self.privacy_engine.accountant):  # no noise: the accountants overflow (PRV) instead
+            return math.inf
+        if delta is not None and delta != self.target_delta:
+            return float(self.privacy_engine.get_epsilon(delta))
+        if self._eps_cache[0] != steps:
+            self._eps_cache = (steps, float(self.privacy_engine.get_epsilon(self.target_delta)))
+        return self._eps_cache[1]
+
+    # -- one micro-batch ----------------------------------------------------------------------------------
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Per-example loss and backward; a virtual (clip-and-accumulate) step unless this micro-batch ends the
+        logical batch, whose noise the Trainer's ``optimizer.step()`` adds."""
+        dp = self._dp
+        if dp is None:
+            raise RuntimeError("DPTrainer.training_step runs inside train()")
+        if self.batch_check_result is None and self.batch_check:
+            self._check_batches()
+        if self._clear_pending:
+            self._clear_per_sample_state()
+        last = bool(self.accelerator.sync_gradients)
+        self._clear_pending = last
+        model.train()
+        if batch_size(inputs) == 0:  # an empty Poisson (part-)batch contributes nothing but its noise
+            if last:
+                self._empty_contribution()
+            return torch.zeros((), device=self.args.device)
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self._dp_loss(model, inputs)
+        loss.backward()  # the engine clips in float32 under bf16 autocast (:mod:`~opacus_spectral.step.precision`)
+        if not last:  # BatchMemoryManager's virtual step: clip and accumulate, no noise, no update
+            dp.signal_skip_step(do_skip=True)
+            dp.step()
+            dp.zero_grad(set_to_none=True)
+        return loss.detach() / self.args.gradient_accumulation_steps  # the Trainer sums the micro-batches' losses
+
+    def _dp_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
+        """The loss whose backward hands Opacus each example's own gradient (:mod:`~opacus_spectral.hf.loss`)."""
+        labels = inputs.get("labels")
+        task = self.task or task_of_batch(labels)
+        if task == "sequence_classification" and not self._ghost:
+            return self.compute_loss(model, self._model_inputs(inputs))  # the model's mean over the examples
+        if labels is None:
+            raise ValueError(
+                f"task {task!r} needs 'labels' in the batch (the loss is computed per example); for a "
+                "causal LM use DataCollatorForLanguageModeling(tokenizer, mlm=False)"
+            )
+        logits = _logits(model(**self._model_inputs(inputs, labels=False)))  # never labels= (trainer_loss)
+        if task == "sequence_classification":
+            if logits.dim() != 2:
+                raise ValueError(
+                    f"ghost clipping: logits {tuple(logits.shape)} with labels {tuple(labels.shape)} "
+                    "are not sequence classification; pass DPTrainer(task=...)"
+                )
+            return self._dp_criterion(logits, labels)
+        losses = example_losses(task, logits, labels, inputs.get("attention_mask"))
+        return opacus_loss(losses, loss_reduction=self._dp.loss_reduction, ghost_criterion=self._dp_criterion)
+
+    def _model_inputs(self, inputs: dict[str, Any], *, labels: bool = True) -> dict[str, Any]:
+        """What the model is called with: without ``labels`` when asked, with ``position_ids`` from the mask on a
+        left-padded batch once the batch check found the model needs them (:mod:`~opacus_spectral.hf.batch_check`)."""
+        inputs = inputs if labels else {k: v for k, v in inputs.items() if k != "labels"}
+        return with_positions(inputs) if self.position_ids_from_mask else inputs
+
+    def _check_batches(self) -> None:
+        """DESIGN invariant 8 on this Trainer's model, data and collator, once, before the first DP step."""
+        if self._check_data is None:
+            return
+        self.batch_check_result = TrainerBatchCheck(self, *self._check_data)
+        self.position_ids_from_mask = self.batch_check_result.run()
+
+    def _empty_contribution(self) -> None:
+        """Zero-example per-sample state, so that Opacus adds the noise of an empty logical batch (as it does)."""
+        for p in self._dp.params:
+            if self._ghost:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                p._norm_sample = p.new_zeros((0,))
+            elif getattr(p, "grad_sample", None) is None:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+
+    def _clear_per_sample_state(self) -> None:
+        """After a logical step: Opacus' zero_grad, and the stale per-sample state of params frozen since."""
+        self._dp.zero_grad(set_to_none=True)
+        frozen = [p for g in self._dp.original_optimizer.param_groups for p in g["params"] if not p.requires_grad]
+        set_trainable(frozen, False)
+
+    # The Trainer's own clipping would release the norm of the clean gradient: DP clips per example instead.
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log plus ``epsilon`` and ``delta``; a training record keeps only public keys
+        (:mod:`~opacus_spectral.hf.logs`) unless ``release_nonprivate_stats``; evaluation records are kept whole."""
+        if not self.release_nonprivate_stats and not self._evaluating:
+            unknown = [k for k in drop_unlisted(logs) if k not in self._warned_keys]
+            if unknown:
+                self._warned_keys.update(unknown)
+                warnings.warn(
+                    f"DPTrainer did not log {sorted(unknown)}: a training log record carries only keys known to be "
+                    "public or noised (opacus_spectral.hf.logs.PUBLIC_LOG_KEYS). Log a value you have "
+                    "privatized yourself outside trainer.log, or pass release_nonprivate_stats=True (NOT private).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if self._dp is not None:
+            logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.target_delta)
+            if self.privacy_engine.accountant.mechanism() == "gdp":  # an approximation, not a bound (.accounting)
+                logs["epsilon_approximate"] = True
+        super().log(logs, start_time)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate``; its log record (on the evaluation set you chose) is not filtered."""
+        self._evaluating = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evaluating = False
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """Causal LM: the batch's mean next-token loss (its sum and count kept for :meth:`evaluation_loop`), logits
+        and labels; other tasks: the Trainer's."""
+        if self.task != "causal_lm" or inputs.get("labels") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs["labels"]
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = _logits(model(**self._model_inputs(inputs, labels=False)))
+            total, count = next_token_loss_sum(logits, labels, inputs.get("attention_mask"))
+        self._eval_sums[0] += float(total)
+        self._eval_sums[1] += count
+        loss = (total / max(count, 1)).float()
+        return (loss, None, None) if prediction_loss_only else (loss, logits.detach(), labels)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop; for a causal LM ``<prefix>_loss`` is then the per-token mean over the whole set (the
+        Trainer's averages batch means) and ``<prefix>_perplexity`` its exponential."""
+        check_evaluation(self)
+        self._eval_sums = [0.0, 0]
+        out = super().evaluation_loop(*args, **kwargs)
+        total, count = self._eval_sums
+        if self.task == "causal_lm" and count > 0:
+            prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+            out.metrics[f"{prefix}_loss"] = total / count
+            out.metrics[f"{prefix}_perplexity"] = math.exp(min(total / count, 700.0))
+        return out
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0 unless ``release_nonprivate_stats``: the Trainer's count (``total_flos``) is proportional to the
+        number of tokens of the Poisson-sampled records."""
+        return super().floating_point_ops(inputs) if self.release_nonprivate_stats else 0
+
+    # -- the run ------------------------------------------------------------------------------------------
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; once per DPTrainer (resume with a new one). Opacus' hooks are removed afterwards."""
+        if self._trained:
+            raise RuntimeError("a DPTrainer trains once; create a new one (resume_from_checkpoint=... to continue)")
+        self._trained = True
+        self._attach_alternation()
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._release()
+
+    def _attach_alternation(self) -> None:
+        """peft_lalora's controller on this Trainer, given the active LALoRA adapter's schedule; it freezes factors
+        with ``set_trainable`` (per-sample state included). A removed controller's callback does not count."""
+        lalora = sys.modules.get("peft_lalora")
+        if not self.alternation or lalora is None:
+            return
+        callbacks = self.callback_handler.callbacks
+        if any(isinstance(cb, lalora.LALoraTrainerCallback) and cb.controller is not None for cb in callbacks):
+            return
+        configs = getattr(self.model, "peft_config", None)
+        if not (isinstance(configs, dict) and any(isinstance(c, lalora.LALoraConfig) for c in configs.values())):
+            return
+        active = getattr(self.model, "active_adapters", None) or list(configs)
+        names = [active] if isinstance(active, str) else list(active)
+        schedules = {configs[n].schedule for n in names if isinstance(configs.get(n), lalora.LALoraConfig)}
+        if len(schedules) == 1:
+            self.controller = lalora.AlternationController(self.model, self, schedule=schedules.pop())
+        else:  # no active LALoRA adapter, or several that disagree: the controller says which
+            self.controller = lalora.AlternationController(self.model, self)
+
+    def _release(self) -> None:
+        if self._dp is not None:
+            self._clear_per_sample_state()
+        if self.privacy_engine.doctor is not None:
+            self.privacy_engine.doctor.remove()
+        if self._hooks is not None:
+            self._hooks.cleanup()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def _dp_config(self) -> dict[str, Any]:
+        handle = self.privacy_engine.post_hooks
+        return {
+            "mechanism": self.privacy_engine.accountant.mechanism(),
+            "noise_multiplier": float(self.noise_multiplier),
+            "sample_rate": float(self.sample_rate),
+            "max_grad_norm": self.max_grad_norm,
+            "target_delta": float(self.target_delta),
+            "target_epsilon": None if self.target_epsilon is None else float(self.target_epsilon),
+            "grad_sample_mode": self.grad_sample_mode,
+            "denoisers": None if handle is None else [denoiser_name(d) for d in handle.denoisers],
+        }
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        if self._dp is not None and self.args.should_save:
+            out = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(out, exist_ok=True)
+            state = dp_state(
+                self._dp_config(),
+                self.privacy_engine.accountant,
+                self.privacy_engine.post_hooks,
+                self.state.global_step,
+                parameters_digest(self.model, self._dp.original_optimizer),
+                resume_state(self.privacy_engine),
+            )
+            torch.save(state, os.path.join(out, DP_STATE_FILE))
+        super()._save_checkpoint(model, trial)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (adapter, config), and beside it the model's privacy record (``privacy_record.json``)."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save and privacy_record_of(self.model) is not None:
+            save_privacy_record(self.model, output_dir or self.args.output_dir, delta=self.target_delta)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        self._resume = read_checkpoint(resume_from_checkpoint)
+        if self.noise_seed is not None:  # new streams for the resumed steps, not a replay of the first steps' noise
+            step = int(self._resume.dp["global_step"])
+            self.privacy_engine.noise_source = NoiseSource(resumed_noise_seed(self.noise_seed, step))
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _restore(self, evidence: Any) -> None:
+        """Restore the accountant and denoiser state of a checkpoint, refusing one of another DP set-up or one
+        that disagrees with the Trainer's step counters or the loaded weights (:mod:`~opacus_spectral.hf.state`)."""
+        check_resume(evidence, self._dp_config(), global_step=self.state.global_step)
+        check_parameters(evidence, parameters_digest(self.model, self._dp.original_optimizer))
+        self.privacy_engine.accountant.load_state_dict(evidence.dp["accountant"])
+        restore_record(self.privacy_engine, evidence.dp.get(RECORD_STATE_KEY))
+        if evidence.dp["post_hooks"] is not None:
+            self.privacy_engine.post_hooks.load_state_dict(evidence.dp["post_hooks"])
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]

@@ -1,0 +1,315 @@
+"""The plugin registry: denoisers and role providers loaded from the ``opacus_spectral`` entry points.
+
+Built-ins register through the same entry-point group as third parties. Loading is guarded per plugin:
+pluggy's ``load_setuptools_entrypoints`` stops at the first broken plugin (``docs/upstream.md`` §3.1), so
+entry points are iterated here, and each plugin is imported, registered and called inside its own guard (a
+failure is one warning plus a :class:`LoadError` in :func:`load_errors`; the other plugins still load). The
+guard catches every ``BaseException`` but ``KeyboardInterrupt`` — a plugin calling ``sys.exit()`` at import
+does not end the host.
+A hook implementation whose name matches no hookspec (a typo such as ``opacus_spectral_denoiser``) is
+reported as a load error (pluggy's ``check_pending`` rule, per plugin); answers of the wrong shape (a role
+that is not a string or a ``(role, layer)`` pair) drop that plugin's answer, with a load error.
+A factory that raises (or returns something that is not callable) when ``post_hooks`` is built gives a
+:class:`DenoiserBuildError` naming the denoiser, its plugin and distribution, chained to the factory's error.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+from torch import nn
+
+from .. import hookspecs
+from ..denoisers.base import DenoiserProtocol
+from ..errors import DenoiserBuildError
+from ..step.records import ParameterRole
+
+ENTRY_POINT_GROUP = "opacus_spectral"
+
+#: one item of ``post_hooks``: a registered denoiser name, a ``(name, kwargs)`` pair or a denoiser callable
+DenoiserSpec = str | tuple[str, Mapping[str, Any]] | DenoiserProtocol
+
+
+@dataclass(frozen=True)
+class DenoiserInfo:
+    """A denoiser available by name."""
+
+    name: str
+    factory: Callable[..., Any]
+    plugin: str  #: plugin (entry point) name
+    distribution: str | None  #: distribution that installed the entry point (None: registered at runtime)
+
+
+@dataclass(frozen=True)
+class LoadError:
+    """Why a plugin (or one of its hooks) was skipped."""
+
+    plugin: str
+    distribution: str | None
+    stage: str  #: "import", "register", "denoisers" or "roles"
+    error: str
+
+
+class Registry:
+    """A pluggy ``PluginManager`` plus per-plugin guarded loading and the merged denoiser table."""
+
+    def __init__(self, group: str = ENTRY_POINT_GROUP, entry_points: Callable[[], Iterable[Any]] | None = None):
+        self.group = group
+        self._entry_points = entry_points or (lambda: md.entry_points(group=group))
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._dist: dict[str, str | None] = {}
+        self._errors: list[LoadError] = []
+        self._denoisers: dict[str, DenoiserInfo] | None = None
+        self._loaded = False
+        self._lock = threading.RLock()
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Import and register every entry point of the group once (idempotent)."""
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+
+            def order(ep: Any) -> tuple[bool, str]:  # built-ins first, so a plugin can never shadow them
+                return (getattr(getattr(ep, "dist", None), "name", None) != "opacus-spectral", ep.name)
+
+            for ep in sorted(self._entry_points(), key=order):
+                dist = getattr(getattr(ep, "dist", None), "name", None)
+                try:
+                    plugin = ep.load()
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - any plugin failure (even sys.exit) must not break the host
+                    self._fail(ep.name, dist, "import", exc)
+                    continue
+                self.register(plugin, name=ep.name, distribution=dist)
+
+    def register(self, plugin: object, *, name: str, distribution: str | None = None) -> bool:
+        """Register a plugin object/module at runtime (tests, notebooks). Returns False if it was refused."""
+        with self._lock:
+            try:
+                self.pm.register(plugin, name=name)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - pluggy.PluginValidationError, ValueError (dup name), ...
+                self._fail(name, distribution, "register", exc)
+                return False
+            self._dist[name] = distribution
+            self._denoisers = None
+            for unknown in self._unknown_hooks(plugin):
+                self._fail(
+                    name,
+                    distribution,
+                    "register",
+                    LookupError(
+                        f"unknown hook {unknown!r} (no such hookspec in opacus_spectral.hookspecs; a typo?) — ignored"
+                    ),
+                )
+            return True
+
+    def _unknown_hooks(self, plugin: object) -> list[str]:
+        """Names of ``plugin``'s hook implementations that match no hookspec (and are not ``optionalhook``)."""
+        unknown = []
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if caller.has_spec():
+                continue
+            if any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls()):
+                unknown.append(caller.name)
+        return sorted(unknown)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self.pm.unregister(name=name)
+            self._dist.pop(name, None)
+            self._denoisers = None
+
+    def _fail(self, plugin: str, dist: str | None, stage: str, exc: BaseException) -> None:
+        err = LoadError(plugin, dist, stage, f"{type(exc).__name__}: {exc}")
+        self._errors.append(err)
+        src = f" (distribution {dist})" if dist else ""
+        warnings.warn(
+            f"opacus_spectral: skipping plugin {plugin!r}{src} at {stage}: {err.error}", RuntimeWarning, stacklevel=3
+        )
+
+    def _call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call one hook's implementations one by one, oldest registration first, each guarded."""
+        self.load()
+        caller = getattr(self.pm.hook, hook_name)
+        results: list[tuple[str, Any]] = []
+        for impl in caller.get_hookimpls():  # registration order (pluggy *calls* them LIFO; we don't)
+            plugin_name = impl.plugin_name
+            try:
+                res = impl.function(**{a: kwargs[a] for a in impl.argnames})
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - same guard as loading
+                self._fail(plugin_name, self._dist.get(plugin_name), hook_name.rsplit("_", 1)[-1], exc)
+                continue
+            if res is not None:
+                results.append((plugin_name, res))
+        return results
+
+    # -- denoisers -------------------------------------------------------------------------------------
+    def denoisers(self) -> dict[str, DenoiserInfo]:
+        with self._lock:
+            if self._denoisers is None:
+                table: dict[str, DenoiserInfo] = {}
+                for plugin_name, provided in self._call_each("opacus_spectral_denoisers"):
+                    dist = self._dist.get(plugin_name)
+                    if not isinstance(provided, Mapping):
+                        self._fail(plugin_name, dist, "denoisers", TypeError("hook must return {name: factory}"))
+                        continue
+                    for name, factory in provided.items():
+                        if not isinstance(name, str) or not callable(factory):
+                            self._fail(plugin_name, dist, "denoisers", TypeError(f"bad entry {name!r}: {factory!r}"))
+                        elif name in table:
+                            other = table[name]
+                            self._fail(
+                                plugin_name,
+                                dist,
+                                "denoisers",
+                                ValueError(f"denoiser name {name!r} already provided by plugin {other.plugin!r}"),
+                            )
+                        else:
+                            table[name] = DenoiserInfo(name, factory, plugin_name, dist)
+                self._denoisers = table
+            return dict(self._denoisers)
+
+    def errors(self) -> list[LoadError]:
+        self.load()
+        return list(self._errors)
+
+    def create(self, spec: DenoiserSpec) -> DenoiserProtocol:
+        """Build one denoiser from a ``post_hooks`` item: a name, ``(name, kwargs)`` or an instance."""
+        if isinstance(spec, str):
+            name, kwargs = spec, {}
+        elif isinstance(spec, tuple):
+            if len(spec) != 2 or not isinstance(spec[0], str) or not isinstance(spec[1], Mapping):
+                raise TypeError(f"post_hooks item {spec!r} must be (name, {{kwargs}})")
+            name, kwargs = spec[0], dict(spec[1])
+        elif isinstance(spec, type):
+            raise TypeError(f"post_hooks item {spec.__name__} is a class; pass an instance or a registered name")
+        elif callable(spec):
+            return spec
+        else:
+            raise TypeError(f"post_hooks items are names, (name, kwargs) pairs or callables; got {spec!r}")
+        table = self.denoisers()
+        if name not in table:
+            known = ", ".join(sorted(table)) or "none"
+            hint = ""
+            broken = [e.plugin for e in self._errors]
+            if broken:
+                hint = f"; plugins that failed to load: {', '.join(sorted(set(broken)))}"
+            raise ValueError(f"unknown denoiser {name!r}; available: {known}{hint}")
+        return _build(table[name], kwargs)
+
+    # -- roles -----------------------------------------------------------------------------------------
+    def roles(self, module: nn.Module) -> dict[str, ParameterRole]:
+        """Merge every plugin's role answer; the first-registered plugin wins on a conflict (with a warning).
+
+        A malformed answer (not a mapping, or an entry that is neither a role string nor a ``(role, layer)``
+        pair of strings) drops that plugin's whole answer, with a load error: half an answer is worse than none.
+        """
+        merged: dict[str, tuple[ParameterRole, str]] = {}
+        for plugin_name, answer in self._call_each("opacus_spectral_parameter_roles", module=module):
+            try:
+                parsed = _parse_roles(answer)
+            except (TypeError, ValueError) as exc:
+                self._fail(plugin_name, self._dist.get(plugin_name), "roles", exc)
+                continue
+            for pname, role in parsed.items():
+                if pname in merged and merged[pname][0] != role:
+                    warnings.warn(
+                        f"opacus_spectral: plugins {merged[pname][1]!r} and {plugin_name!r} disagree on the role of "
+                        f"{pname!r} ({merged[pname][0].role} vs {role.role}); keeping the first",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                merged.setdefault(pname, (role, plugin_name))
+        return {k: v[0] for k, v in merged.items()}
+
+
+def _parse_roles(answer: Any) -> dict[str, ParameterRole]:
+    """A role hook's answer as ``{name: ParameterRole}``; ``TypeError`` naming the first bad entry."""
+    if not isinstance(answer, Mapping):
+        raise TypeError(f"hook must return a mapping {{param name: role}}, got {type(answer).__name__}")
+    out: dict[str, ParameterRole] = {}
+    for pname, role in answer.items():
+        if isinstance(role, str):
+            role = (role,)
+        ok = (
+            isinstance(pname, str)
+            and isinstance(role, tuple)
+            and len(role) in (1, 2)
+            and isinstance(role[0], str)
+            and (len(role) == 1 or role[1] is None or isinstance(role[1], str))
+        )
+        if not ok:
+            raise TypeError(f"bad role entry {pname!r}: {role!r} (expected a role string or a (role, layer) pair)")
+        out[pname] = ParameterRole(*role)
+    return out
+
+
+def _build(info: DenoiserInfo, kwargs: Mapping[str, Any]) -> DenoiserProtocol:
+    """``info.factory(**kwargs)``; any failure (``sys.exit()`` too) as a :class:`DenoiserBuildError`."""
+    src = f"plugin {info.plugin!r}" + (f", distribution {info.distribution!r}" if info.distribution else "")
+    where = f"building denoiser {info.name!r} ({src}) with {dict(kwargs)!r}"
+    try:
+        denoiser = info.factory(**kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin's factory must not end the host
+        raise DenoiserBuildError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if not callable(denoiser) or isinstance(denoiser, type):
+        raise DenoiserBuildError(f"{where} returned {denoiser!r}, not a denoiser (a callable on the records)")
+    return denoiser
+
+
+_default: Registry | None = None
+_default_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (loaded lazily from the installed entry points)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Registry()
+        return _default
+
+
+def reload_registry() -> Registry:
+    """Forget the process-wide registry and load the entry points afresh (after ``pip install`` of a plugin)."""
+    global _default
+    with _default_lock:
+        _default = None
+    return get_registry()
+
+
+def available_denoisers() -> dict[str, DenoiserInfo]:
+    """Denoisers available by name, with the plugin and distribution that provide them."""
+    return get_registry().denoisers()
+
+
+def load_errors() -> list[LoadError]:
+    """Plugins (or hooks) that were skipped, and why."""
+    return get_registry().errors()
+
+
+def create_denoisers(hooks: Sequence[DenoiserSpec] | None, registry: Registry | None = None) -> list[DenoiserProtocol]:
+    """Build the denoisers of a ``post_hooks`` list, keeping the user's order (never pluggy's LIFO order)."""
+    if hooks is None:
+        return []
+    if isinstance(hooks, (str, tuple)) or callable(hooks):
+        raise TypeError("post_hooks must be a list, e.g. post_hooks=['rmt']")
+    reg = registry or get_registry()
+    return [reg.create(h) for h in hooks]

@@ -1,0 +1,1 @@
+"""Alternating the LoRA factors: the schedule, the controller that drives it, the factor lookup."""

@@ -1,0 +1,1 @@
+"""The integration with opacus-spectral (the ``[dp]`` extra): LoRA roles for denoisers."""

@@ -1,0 +1,1 @@
+"""The clients' data: the task (model + dataset), partitioning, input files, truncation."""

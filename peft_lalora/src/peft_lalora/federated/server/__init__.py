@@ -1,0 +1,1 @@
+"""The server: rounds, aggregation, the privacy ledger, the plan, reply parsing, evaluation."""

@@ -1,0 +1,1 @@
+"""PEFT tuners (PEFT's own layout: ``tuners/<method>/``)."""
