@@ -160,7 +160,7 @@ def fake_result(diffs: dict[str, list[float]], base: list[float]) -> dict[str, A
                     "accuracy": [0.5] + [base[s] + d] * 4,
                 }
             )
-    return {"config": {"delta": 1e-5}, "runs": runs}
+    return {"config": {"delta": 1e-5}, "runs": {federated.record_key(r): r for r in runs}}
 
 
 def test_paired_analysis_on_a_hand_made_json() -> None:
@@ -223,11 +223,11 @@ def test_tuning_reads_the_validation_split_only(tmp_path: Path, monkeypatch: pyt
     res = federated.main(
         ["--model", "tiny", "--methods", "dp-lora", "--lr-grid", "0.25", "0.5", "--seeds", "0", "1", "--out", str(out)]
     )
-    tune = [r for r in res["runs"] if r["phase"] == "tune"]
+    tune = [r for r in res["runs"].values() if r["phase"] == "tune"]
     assert {(r["split"], r["task_seed"]) for r in tune} == {("val", 100)}
     assert sorted(r["lr"] for r in tune) == [0.25, 0.5, 1.0, 2.0]  # edge extension up, then an interior best
     assert res["lr_choice"]["dp-lora"]["lr"] == 1.0
-    evals = [r for r in res["runs"] if r["phase"] == "eval"]
+    evals = [r for r in res["runs"].values() if r["phase"] == "eval"]
     assert {(r["split"], r["lr"]) for r in evals} == {("test", 1.0)} and sorted(r["seed"] for r in evals) == [0, 1]
     with pytest.raises(SystemExit):  # the tuning seed cannot be an evaluation seed
         federated.main(["--model", "tiny", "--seeds", "0", "100", "--out", str(out)])
@@ -279,7 +279,8 @@ def test_federated_smoke_records_resume_and_replot(tmp_path: Path) -> None:
         "1",
     ]
     res = federated.main(argv)
-    runs = res["runs"]
+    runs = list(res["runs"].values())
+    assert set(res["runs"]) == {federated.record_key(r) for r in runs}  # the runner's one key format
     assert [r["phase"] for r in runs].count("tune") == 4 and [r["phase"] for r in runs].count("eval") == 4
     for r in runs:
         assert (r["num_clients"], r["partition"], r["alpha"]) == (3, "dirichlet", 1.0) and len(r["accuracy"]) == 3
@@ -296,7 +297,7 @@ def test_federated_smoke_records_resume_and_replot(tmp_path: Path) -> None:
     assert data["versions"]["torch"] and data["analysis"]["1"]["comparisons"]["la_minus_dp_lora"]["final"]["n"] == 2
     assert out.with_suffix(".png").stat().st_size > 0
     again = federated.main(argv + ["--resume"])
-    assert again["runs"] == json.loads(json.dumps(runs))
+    assert again["runs"] == json.loads(json.dumps(res["runs"]))
     with pytest.raises(SystemExit, match="different configuration"):
         federated.main(argv + ["--resume", "--batch-size", "4"])
     assert federated.main(["--replot", "--out", str(out)])["analysis"]["1"]["methods"]["la-lora"]["seeds"] == [0, 1]

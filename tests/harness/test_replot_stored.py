@@ -1,35 +1,49 @@
-"""The stored evidence replots to what it says: the analysis recomputed from every stored grid and federated JSON
-under ``docs/results/`` (what ``--replot`` writes) equals the analysis stored with its runs, number for number
-(up to float rounding in the last bits; p-values and Holm adjustments added since are not in the older files)."""
+"""The stored evidence replots to what it says. Every stored grid, federated and centralized JSON under
+``docs/results/`` is loaded through its command's report (``dp_bench.runner.load``: runs rekeyed to the one run-key
+format, the config record corrected), and the analysis recomputed from it (what ``--replot`` writes) equals the
+analysis stored with its runs, number for number (up to float rounding in the last bits; p-values and Holm
+adjustments added since are not in the older files). Every other command's stored JSON answers ``--replot``."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("datasets")
-from dp_bench.commands import federated_report, grid  # noqa: E402
+from dp_bench import runner  # noqa: E402
+from dp_bench.commands import centralized, federated, grid  # noqa: E402
 from repo_support import RESULTS
 
+pytestmark = pytest.mark.slow
+
 ADDED_SINCE = ("p", "p_holm", "verdict")
+#: the one run-key format: ``phase|method|<cell parts>|eps<ε>|s<seed>|lr<lr>``
+KEY = re.compile(r"(tune|eval)\|(?P<method>[^|]+)(\|[^|]+)*\|eps(?P<eps>[^|]+)\|s(?P<seed>-?\d+)\|lr(?P<lr>[^|]+)")
 
 
 def stored(kind: str) -> list[Path]:
-    """The result files of ``kind`` ("grid": a dict of runs and lr choices; "federated": a list of runs)."""
+    """The result files of ``kind``: "grid" (runs, lr choices), "federated" (``dp-bench federated``), "centralized"."""
     out = []
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
         if not isinstance(r, dict) or "analysis" not in r:
             continue
         is_grid = isinstance(r.get("runs"), dict) and "lr_choice" in r
-        is_federated = isinstance(r.get("runs"), list) and str(r.get("command", "")).startswith("dp-bench federated")
-        if (kind == "grid" and is_grid) or (kind == "federated" and is_federated):
+        is_federated = str(r.get("command", "")).startswith("dp-bench federated")
+        found = "grid" if is_grid else "federated" if is_federated else path.stem
+        if found == kind:
             out.append(path)
     return out
+
+
+REPORTS = {"grid": grid.REPORT, "federated": federated.REPORT, "centralized": centralized.REPORT}
+STORED = [(kind, path) for kind in REPORTS for path in stored(kind)]
 
 
 def assert_same(old: Any, new: Any, where: str = "") -> None:
@@ -56,19 +70,62 @@ def as_json(x: Any) -> Any:
 
 
 def test_there_is_stored_evidence_to_replot() -> None:
-    assert len(stored("grid")) >= 7 and len(stored("federated")) >= 2
+    kinds = [kind for kind, _ in STORED]
+    assert kinds.count("grid") >= 7 and kinds.count("federated") >= 2 and kinds.count("centralized") == 1
 
 
-@pytest.mark.parametrize("path", stored("grid"), ids=lambda p: p.stem)
-def test_stored_grid_replots_to_its_analysis(path: Path) -> None:
-    result = json.loads(path.read_text())
-    report = grid.report_for(result)
-    assert_same(as_json(result["analysis"]), as_json(report.analyze(result)))
-    assert report.tables(result)  # the tables are built from it without error
+@pytest.mark.parametrize(("kind", "path"), STORED, ids=lambda x: x.stem if isinstance(x, Path) else x)
+def test_stored_result_replots_to_its_analysis_under_one_key_format(kind: str, path: Path) -> None:
+    stored_analysis = json.loads(path.read_text())["analysis"]
+    result = runner.load(path, REPORTS[kind])
+    assert isinstance(result["runs"], dict)  # federated JSONs stored a list, centralized.json ``method|ε|seed`` keys
+    for key, record in result["runs"].items():
+        m = KEY.fullmatch(key)
+        assert m and m["method"] == record["method"], key
+        assert float(m["eps"]) == float(record.get("target_epsilon", record.get("epsilon"))), key
+        assert int(m["seed"]) == record["seed"] and float(m["lr"]) == record.get("lr", result["config"].get("lr"))
+    report = REPORTS[kind]
+    assert_same(as_json(stored_analysis), as_json(report.analyze(result)))
+    assert report.tables({**result, "analysis": report.analyze(result)})
 
 
-@pytest.mark.parametrize("path", stored("federated"), ids=lambda p: p.stem)
-def test_stored_federated_grid_replots_to_its_analysis(path: Path) -> None:
-    result = json.loads(path.read_text())
-    assert_same(as_json(result["analysis"]), as_json(federated_report.analyze(result)))
-    assert federated_report.tables(result)
+def test_a_smollm2_grid_records_the_bed_it_trained() -> None:
+    """The grid JSONs of §10 recorded MiniLM's ``trainable: lora:qv:8, top_layers: 1`` (the defaults of settings the
+    SmolLM2 bed never reads) for LoRA r = 32 on all 30 layers' q/v: corrected on load, the bed is in ``data``."""
+    for name in ("smollm2_qv", "smollm2_qv_lr2e-4"):
+        raw = json.loads((RESULTS / f"{name}.json").read_text())
+        assert (raw["config"]["trainable"], raw["config"]["top_layers"]) == ("lora:qv:8", 1)  # as stored
+        cfg = runner.load(RESULTS / f"{name}.json", grid.REPORT)["config"]
+        assert cfg["trainable"] is cfg["top_layers"] is cfg["val_size"] is None and cfg["block_size"] == 32
+        assert raw["data"]["lora"]["r"] == 32 and raw["data"]["lora_matrices"] == 120
+
+
+#: every other command's stored JSON and the flags that replot it from a copy in ``tmp``
+OTHER = {
+    "regime_map": ("regime_map", ["--out", "{tmp}"], "| trainable | phase | B |"),
+    "regime_map_llm": ("regime_map_llm", ["--out", "{tmp}/regime_map_llm.json"], "| point | B | C |"),
+    "demo": ("demo", ["--out", "{tmp}"], "dp-lora+rmt"),
+    "audit": ("audit", ["--out", "{tmp}/audit.json", "--plot", "{tmp}/audit.png"], "#### white-box"),
+    "audit_fdp": (
+        "audit",
+        ["--experiment", "fdp-validity", "--fv-out", "{tmp}/audit_fdp.json", "--fv-plot", "{tmp}/audit_fdp.png"],
+        "| simulated correct | ideal | 500 |",
+    ),
+    "overhead": ("overhead", ["--out", "{tmp}/overhead.json"], "| lora | "),
+    "overhead_llm": ("overhead_llm", ["--out", "{tmp}/overhead_llm.json"], "[qv] step"),
+    "isolation_cost": ("isolation_cost", ["--out", "{tmp}/isolation_cost.json"], "lora: "),
+    "batch_check_cost": ("batch_check_cost", ["--out", "{tmp}/batch_check_cost.json"], "left padding: check"),
+    "fmnist_speed": ("grid", ["--measure-speed", "--name", "fmnist", "--out", "{tmp}"], "| mlp | 1024 |"),
+}
+
+
+@pytest.mark.parametrize("stem", sorted(OTHER))
+def test_every_other_stored_result_answers_replot(stem: str, tmp_path: Path, capsys) -> None:
+    module, flags, expected = OTHER[stem]
+    shutil.copy(RESULTS / f"{stem}.json", tmp_path / f"{stem}.json")
+    before = (tmp_path / f"{stem}.json").read_bytes()
+    command = __import__(f"dp_bench.commands.{module}", fromlist=["main"])
+    command.main(["--replot", *(f.format(tmp=tmp_path) for f in flags)])
+    assert expected in capsys.readouterr().out
+    assert (tmp_path / f"{stem}.json").read_bytes() == before  # no analysis: the JSON is only read
+    assert all(p.stat().st_size > 0 for p in tmp_path.glob("*.png"))

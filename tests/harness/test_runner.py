@@ -56,3 +56,49 @@ def test_drive_stops_early_and_gives_its_claim_back(tmp_path: Path):
     plan = [runner.Cell("eval", "a", 1.0, 0)]
     assert runner.drive(store, plan, _Fixed(), lambda c, lr: {}, desc="t", stop=lambda: True, poll=0.0) is True
     assert store.in_flight() == set() and store.keys() == set()
+
+
+class _Report:
+    """A report with every part of the protocol: it counts its calls."""
+
+    def __init__(self) -> None:
+        self.plotted: list[Path] = []
+
+    def upgrade(self, result):
+        result["runs"] = {f"eval|{k}": v for k, v in result["runs"].items() if not k.startswith("eval|")}
+        return result
+
+    def analyze(self, result):
+        return {"n": len(result["runs"])}
+
+    def tables(self, result):
+        return f"| runs | {result['analysis']['n']} |"
+
+    def plot(self, result, png):
+        png.write_text("png")
+        self.plotted.append(png)
+
+
+def test_write_is_atomic_and_replot_reads_the_json_alone(tmp_path: Path, capsys, monkeypatch):
+    path, png, report = tmp_path / "sub" / "r.json", tmp_path / "r.png", _Report()
+    runner.write({"runs": {"eval|a": {}}}, report, path, png, indent=1)
+    assert json.loads(path.read_text())["analysis"] == {"n": 1} and report.plotted == [png]
+    assert "| runs | 1 |" in capsys.readouterr().out and not list(path.parent.glob(".*tmp"))
+    replaced = []
+    monkeypatch.setattr("os.replace", lambda a, b: replaced.append((Path(a).parent, Path(b))))
+    runner.write({"runs": {}}, report, path, png)
+    assert replaced == [(path.parent, path)]  # written beside the JSON, then renamed over it
+    monkeypatch.undo()
+    path.write_text(json.dumps({"runs": {"a": {}, "b": {}}}))  # a JSON from before the key format
+    assert set(runner.load(path, report)["runs"]) == {"eval|a", "eval|b"}
+    out = runner.replot(path, report, png)
+    assert out["analysis"] == {"n": 2} and set(json.loads(path.read_text())["runs"]) == {"eval|a", "eval|b"}
+
+
+def test_a_report_of_tables_only_never_rewrites_the_json(tmp_path: Path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text('{"cases": {"x": 1}}')
+    report = runner.Report(tables=lambda r: f"cases {sorted(r['cases'])}")
+    before = path.stat().st_mtime_ns
+    assert runner.replot(path, report, None) == {"cases": {"x": 1}}
+    assert capsys.readouterr().out == "cases ['x']\n" and path.stat().st_mtime_ns == before

@@ -37,6 +37,20 @@ def test_a_claim_is_exclusive_until_stored_and_workers_merge_what_the_others_sto
     assert a.result["runs"]["tune|x|lr2"]["final_val"] == 0.6
 
 
+def test_a_json_from_before_the_key_format_is_upgraded_before_it_is_merged(tmp_path: Path) -> None:
+    """A worker resuming a federated grid stored as a list of runs merges it under the one key format (the
+    command's ``upgrade``), and its first write stores it so."""
+    from dp_bench.commands import federated
+
+    path = tmp_path / "f.json"
+    old = [{"phase": "tune", "method": "dp-lora", "epsilon": 1.0, "seed": 100, "lr": 0.5}]
+    path.write_text(json.dumps({"runs": old, "lr_choice": {}}))
+    a = SharedResult(path, {"runs": {}}, upgrade=federated.upgrade)
+    assert not a.claim("tune|dp-lora|eps1|s100|lr0.5")  # stored already: merged in under its key
+    a.put("eval|dp-lora|eps1|s0|lr0.5", {"phase": "eval"})
+    assert set(json.loads(path.read_text())["runs"]) == {"tune|dp-lora|eps1|s100|lr0.5", "eval|dp-lora|eps1|s0|lr0.5"}
+
+
 def test_a_dead_workers_claim_is_void(tmp_path: Path) -> None:
     path = tmp_path / "g.json"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -116,8 +130,11 @@ def test_two_federated_workers_share_one_grid_without_training_a_run_twice(tmp_p
     assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
     trained = [k for o in outs for k in RUN_LINE.findall(o)]
     saved = json.loads(out.read_text())
-    keys = [f"{r['phase']}|{r['method']}|eps{r['epsilon']:g}|s{r['seed']}|lr{r['lr']:g}" for r in saved["runs"]]
-    assert sorted(trained) == sorted(keys) and len(set(keys)) == len(keys)  # each run trained once, stored once
-    assert {r["seed"] for r in saved["runs"] if r["phase"] == "eval"} == {0, 1}
+    runs = saved["runs"]
+    assert all(
+        k == f"{r['phase']}|{r['method']}|eps{r['epsilon']:g}|s{r['seed']}|lr{r['lr']:g}" for k, r in runs.items()
+    )
+    assert sorted(trained) == sorted(runs)  # each run trained once, stored once
+    assert {r["seed"] for r in runs.values() if r["phase"] == "eval"} == {0, 1}
     assert set(saved["lr_choice"]) == {"la-lora"} and "analysis" in saved
-    assert {r["lr"] for r in saved["runs"] if r["phase"] == "tune"} >= {0.5, 1.0}  # the tuning round, shared
+    assert {r["lr"] for r in runs.values() if r["phase"] == "tune"} >= {0.5, 1.0}  # the tuning round, shared

@@ -1,5 +1,5 @@
-"""DPTrainer on the harness's causal-LM data (``dp_bench.data.llm``): docs/llm.md's example as written (tiny stand-ins
-for SmolLM2 and Shakespeare), and the real SmolLM2-135M on Shakespeare, offline."""
+"""DPTrainer on the harness's causal-LM data (``dp_bench.data.llm``): docs/llm.md's harness example as written (tiny
+stand-ins for SmolLM2 and Shakespeare), and the real SmolLM2-135M on Shakespeare, offline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import datasets
 import pytest
 import torch
 from causal_lm_support import args, llama, lm_dataset, tokenizer
-from opacus_spectral.hf.dp_trainer import DPTrainer
+from opacus_spectral.hf import DPTrainer
 from peft import LoraConfig, PeftModel, get_peft_model
 from repo_support import DOCS
 from transformers import DataCollatorForLanguageModeling
@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 
 def _docs_block() -> str:
     text = (DOCS / "llm.md").read_text()
-    return re.search(r"with DPTrainer in 20 lines\s+```python\n(.*?)```", text, flags=re.S).group(1)
+    return re.search(r"harness's SmolLM2 and Shakespeare in 20 lines\s+```python\n(.*?)```", text, flags=re.S).group(1)
 
 
 def test_docs_example_runs(tmp_path, monkeypatch):
-    """docs/llm.md's DPTrainer example as written, with the tiny Llama, its tokenizer and the toy corpus in place of
+    """docs/llm.md's harness example as written, with the tiny Llama, its tokenizer and the toy corpus in place of
     SmolLM2 and Shakespeare, 3 steps instead of 200, and use_cpu=True (bf16 without a GPU needs it)."""
     from dp_bench.data import llm
 
@@ -81,6 +81,9 @@ def test_smollm2_dp_lora_ends_within_epsilon_lowers_perplexity_and_reloads(tmp_p
         learning_rate=0.5,
         optim="sgd",
         per_device_eval_batch_size=16,
+        target_epsilon=8.0,
+        noise_multiplier=None,
+        make_private_kwargs=None,
     )
     t = DPTrainer(
         model=model,
@@ -88,9 +91,6 @@ def test_smollm2_dp_lora_ends_within_epsilon_lowers_perplexity_and_reloads(tmp_p
         train_dataset=data["train"],
         eval_dataset=data["validation"].select(range(16)),
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        target_epsilon=8.0,
-        target_delta=1e-5,
-        accountant="rdp",
     )
     before = t.evaluate()["eval_perplexity"]
     t.train()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import Identity, Recorder, Scale, loader, mlp
 from opacus.utils.batch_memory_manager import BatchMemoryManager
-from opacus_spectral.errors import DenoiserError
+from opacus_spectral.errors import DenoiserError, DoctorWarning
 from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine, install_post_hooks
@@ -332,9 +332,12 @@ def test_records_are_noisy_gradient_objects():
 
 
 def test_fsdp_is_refused_clearly():
+    """One refusal, the engine's, whether FSDP comes through make_private or a hand-built optimizer."""
+    from opacus.optimizers import FSDPOptimizerFastGradientClipping
+
     torch.manual_seed(0)
     model = mlp(hidden=32, d_out=4)
-    with pytest.raises(NotImplementedError, match="FSDP"):
+    with pytest.raises(NotImplementedError, match="FSDP") as through_engine:
         PrivacyEngine(accountant="rdp").make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -344,6 +347,10 @@ def test_fsdp_is_refused_clearly():
             grad_sample_mode="ghost_fsdp",
             post_hooks=["rmt"],
         )
+    hand_built = FSDPOptimizerFastGradientClipping.__new__(FSDPOptimizerFastGradientClipping)  # __init__ needs a group
+    with pytest.raises(NotImplementedError) as by_hand:
+        install_post_hooks(hand_built, ["rmt"])
+    assert str(by_hand.value) == str(through_engine.value)
 
 
 @pytest.mark.parametrize("same_engine", [True, False])
@@ -366,7 +373,7 @@ def test_stepping_the_inner_optimizer_directly_never_feeds_clean_gradients_to_de
     engine, gsm, dp_opt, dl, model = _private_mlp([rec])
     x, y = next(iter(dl))
     nn.functional.mse_loss(gsm(x), y).backward()
-    with pytest.warns(RuntimeWarning, match="without Opacus adding noise"):
+    with pytest.warns(DoctorWarning, match="without a noisy, accounted DP step"):
         dp_opt.original_optimizer.step()  # bypasses clipping and noise: p.grad is the clean gradient
     assert rec.seen == [] and engine.post_hooks.diagnostics.skipped == 1
 

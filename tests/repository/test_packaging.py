@@ -3,6 +3,7 @@ tested pins in constraints.txt inside every range, so what CI tests is what a us
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -74,3 +75,25 @@ COMPAT_FLOATS = {
 def test_the_compat_env_floats_only_the_core_stack_and_pins_the_rest_as_ci_does():
     tested, compat = _pins_of(ROOT / "constraints.txt"), _pins_of(ROOT / "constraints-compat.txt")
     assert compat == {name: v for name, v in tested.items() if name not in COMPAT_FLOATS}
+
+
+RELEASED = (ROOT / "opacus_spectral", ROOT / "peft_lalora", *sorted((ROOT / "plugins").iterdir()))
+
+
+def test_the_released_distributions_share_one_version_with_the_packages_and_the_changelog():
+    versions = {d.name: tomllib.loads((d / "pyproject.toml").read_text())["project"]["version"] for d in RELEASED}
+    for package in ("opacus_spectral", "peft_lalora"):
+        init = (ROOT / package / "src" / package / "__init__.py").read_text()
+        versions[f"{package}.__version__"] = re.search(r'^__version__ = "([^"]+)"', init, flags=re.M).group(1)
+    newest = re.search(r"^## \[(\d[^\]]*)\] - \d{4}-\d\d-\d\d$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    versions["CHANGELOG.md"] = newest.group(1)
+    assert len(set(versions.values())) == 1, versions
+
+
+def test_every_released_distribution_carries_the_repository_license():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    for d in RELEASED:
+        project = tomllib.loads((d / "pyproject.toml").read_text())["project"]
+        assert project["license"] == "Apache-2.0", d
+        assert (d / "LICENSE").read_text() == text, f"{d.name}/LICENSE is not the repository's (a link to ../LICENSE)"

@@ -9,22 +9,30 @@ import warnings
 import datasets
 import torch
 from opacus_spectral.errors import ReproducibleNoiseWarning
-from opacus_spectral.hf.dp_trainer import DPTrainer
+from opacus_spectral.hf import DPTrainer, DPTrainingArguments
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
-from trainer_support import quiet_cpu_args
+from trainer_support import quiet_cpu_args, split, with_dp
 from transformers import (
     DataCollatorForLanguageModeling,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
-    TrainingArguments,
 )
 
 VOCAB = 97
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEED = 11  # noise_seed of the comparisons (reproducible, NOT private)
+#: the DP settings of :func:`trainer` unless a test gives others: noise 0 (a clipping-only run)
+DP = dict(
+    noise_multiplier=0.0,
+    target_epsilon=None,
+    target_delta=1e-5,
+    per_sample_max_grad_norm=1.0,
+    accountant="rdp",
+    make_private_kwargs={"allow_non_private": True},
+)
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -85,7 +93,8 @@ def lora_llama(config=None, seed: int = 0) -> nn.Module:
         return get_peft_model(llama(seed), config)
 
 
-def args(tmp_path, **kw) -> TrainingArguments:
+def args(tmp_path, **kw) -> DPTrainingArguments:
+    """The causal-LM runs' settings (the DP ones: :data:`DP`); ``kw`` sets or overrides any of them."""
     run = dict(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
@@ -93,27 +102,22 @@ def args(tmp_path, **kw) -> TrainingArguments:
         learning_rate=1.0,
         per_device_eval_batch_size=8,
     )
-    return quiet_cpu_args(tmp_path, **{**run, **kw})
+    return quiet_cpu_args(tmp_path, **{**run, **DP, **kw})
 
 
 def trainer(tmp_path, model, data, *, train_args=None, lr: float = 1.0, **kw) -> DPTrainer:
-    dp = dict(
-        noise_multiplier=0.0,
-        target_delta=1e-5,
-        max_grad_norm=1.0,
-        accountant="rdp",
-        make_private_kwargs={"allow_non_private": True},
-    )
-    dp.update(kw)
+    """A DPTrainer on ``model`` and ``data``: ``train_args`` (default :func:`args`) with :data:`DP` and the argument
+    fields of ``kw`` applied over it; the rest of ``kw`` goes to DPTrainer (``criterion``, ``eval_dataset``, ...)."""
+    settings, rest = split(kw)
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # noise 0 (allow_non_private) warns
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         return DPTrainer(
             model=model,
-            args=train_args or args(tmp_path),
+            args=with_dp(train_args or args(tmp_path), DP, **settings),
             train_dataset=data,
             data_collator=collator(),
             optimizers=(sgd, None),
-            **dp,
+            **rest,
         )

@@ -95,18 +95,16 @@ def clipped_sum(tmp_path, task: str, side: str, rows: list[int], *, data_of=None
     extra = {"ddp_backend": "gloo"} if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1 else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        dp = dict(noise_multiplier=0.0, per_sample_max_grad_norm=C, make_private_kwargs={"allow_non_private": True})
         t = DPTrainer(
             model=m,
-            args=quiet_cpu_args(tmp_path, per_device_train_batch_size=8, max_steps=1, learning_rate=0.0, **extra),
+            args=quiet_cpu_args(
+                tmp_path, per_device_train_batch_size=8, max_steps=1, learning_rate=0.0, **extra, **dp, **kw
+            ),
             train_dataset=(data_of or data)(task, rows),
             data_collator=(collator_of or collator)(task, side),
             optimizers=(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.0), None),
-            noise_multiplier=0.0,
-            max_grad_norm=C,
-            target_delta=1e-5,
             callbacks=[grab],
-            make_private_kwargs={"allow_non_private": True},
-            **kw,
         )
         grab.trainer = t
         t.train()

@@ -3,12 +3,13 @@ arguments (logical batch 16 = 2 accumulated physical batches of 8 out of 64 exam
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from opacus_spectral.hf.dp_trainer import DPTrainer
+from opacus_spectral.hf import DPTrainer, DPTrainingArguments
 from peft import get_peft_model
 from text_support import synthetic_text_task, tiny_bert
 from torch import nn
-from transformers import TrainingArguments
 
 import peft_lalora  # noqa: F401  (registers the LALORA PEFT type)
 from peft_lalora import LALoraConfig
@@ -43,10 +44,17 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def quiet_cpu_args(tmp_path, **kw) -> TrainingArguments:
+#: the DP settings of :func:`trainer` unless a test gives others
+DP = dict(target_epsilon=3.0, noise_multiplier=None, target_delta=1e-5, per_sample_max_grad_norm=1.0, accountant="rdp")
+
+
+def quiet_cpu_args(tmp_path, **kw) -> DPTrainingArguments:
     """The Trainer on the CPU in ``tmp_path``: constant lr, a log record every step, no checkpoints, no
-    integrations, no progress bar, no loader workers; ``kw`` sets or overrides any argument."""
+    integrations, no progress bar, no loader workers, δ = 1e-5 and the RDP accountant; ``kw`` sets or overrides any
+    argument (and must give ``target_epsilon`` or ``noise_multiplier``)."""
     base = dict(
+        target_delta=1e-5,
+        accountant="rdp",
         output_dir=str(tmp_path),
         lr_scheduler_type="constant",
         use_cpu=True,
@@ -56,20 +64,38 @@ def quiet_cpu_args(tmp_path, **kw) -> TrainingArguments:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    return TrainingArguments(**{**base, **kw})
+    return DPTrainingArguments(**{**base, **kw})
 
 
-def args(tmp_path, **kw) -> TrainingArguments:
+def args(tmp_path, **kw) -> DPTrainingArguments:
     run = dict(per_device_train_batch_size=PHYSICAL, gradient_accumulation_steps=ACCUM, max_steps=4, learning_rate=LR)
-    return quiet_cpu_args(tmp_path, **{**run, **kw})
+    return quiet_cpu_args(tmp_path, **{**run, "target_epsilon": 3.0, **kw})
+
+
+def with_dp(train_args: DPTrainingArguments, defaults: dict, **kw) -> DPTrainingArguments:
+    """``train_args`` with the DP settings ``defaults``, overridden by ``kw`` (a copy; ``train_args`` itself when it
+    holds them already, so that a test may have set a field without ``__post_init__``)."""
+    changes = {k: v for k, v in {**defaults, **kw}.items() if getattr(train_args, k) != v}
+    return dataclasses.replace(train_args, **changes) if changes else train_args
+
+
+def split(kw: dict) -> tuple[dict, dict]:
+    """``kw`` as (DPTrainingArguments fields, the rest: DPTrainer's keyword arguments)."""
+    names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
+    return {k: v for k, v in kw.items() if k in names}, {k: v for k, v in kw.items() if k not in names}
 
 
 def trainer(tmp_path, model=None, *, train_args=None, **kw) -> DPTrainer:
+    """A DPTrainer on the tiny LA-LoRA BERT: ``train_args`` (default :func:`args`) with :data:`DP` and the argument
+    fields of ``kw`` applied over it; the rest of ``kw`` goes to DPTrainer (``criterion``, ``eval_dataset``, ...)."""
     model = model if model is not None else lalora_model()
-    dp = dict(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, accountant="rdp")
-    dp.update(kw)
+    settings, rest = split(kw)
     return DPTrainer(
-        model=model, args=train_args or args(tmp_path), train_dataset=dataset(), optimizers=(adamw(model), None), **dp
+        model=model,
+        args=with_dp(train_args or args(tmp_path), DP, **settings),
+        train_dataset=dataset(),
+        optimizers=(adamw(model), None),
+        **rest,
     )
 
 

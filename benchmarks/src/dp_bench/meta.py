@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["PACKAGES", "PLUGIN_GROUP", "RESULTS", "machine", "plugin_versions", "quiet_warnings", "versions"]
 
-#: where the commands write by default: ``docs/results`` of the repository checkout this harness lives in
+#: where the commands write by default: ``docs/results`` of the repository checkout dp-bench lives in
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 
 PACKAGES = (

@@ -1,12 +1,17 @@
-"""The harness's one experiment runner: a plan of cells, one run key, learning-rate rounds chosen from the stored runs,
+"""dp-bench's one experiment runner: a plan of cells, one run key, learning-rate rounds chosen from the stored runs,
 one store shared by the workers (:class:`~dp_bench.store.SharedResult`), the loop that trains what is missing, and
-one report protocol (analyze → tables → plot).
+one report protocol (upgrade → analyze → tables → plot) through which every command writes its result.
 
-``dp-bench grid``, ``dp-bench federated`` and ``dp-bench centralized`` fill it in: each says which cells it plans,
-which learning rates a cell runs now (:class:`Schedule`), how one run is trained, and its report module. Start the
+``dp-bench grid``, ``dp-bench federated`` and ``dp-bench centralized`` fill in the plan: each says which cells it
+plans, which learning rates a cell runs now (:class:`Schedule`), how one run is trained, and its report. Start the
 same ``--resume`` command once per core: every worker walks the plan in its order and trains the first run it can
 claim (:func:`next_run`); a tuning round is chosen once all its runs are stored, as a pure function of them, so every
 worker sees the same rounds (:func:`tune_round`).
+
+Every command that writes a result JSON does it through :func:`write` (atomic: a temporary file renamed over it) and
+answers ``--replot`` with :func:`replot`: the tables and the plot again from the JSON alone, after
+:func:`load` has brought a stored JSON to the current format (``upgrade``: e.g. old run keys rekeyed to
+:func:`run_key`'s one format).
 """
 
 from __future__ import annotations
@@ -21,7 +26,19 @@ from typing import Any, Protocol
 from .lr_rule import lr_edge_step
 from .store import POLL_SECONDS, SharedResult, atomic_write_json
 
-__all__ = ["Cell", "Report", "Schedule", "drive", "finish", "next_run", "replot", "run_key", "tune_round"]
+__all__ = [
+    "Cell",
+    "Report",
+    "Schedule",
+    "drive",
+    "finish",
+    "load",
+    "next_run",
+    "replot",
+    "run_key",
+    "tune_round",
+    "write",
+]
 
 
 def run_key(phase: str, method: str, *, eps: float, seed: int, lr: float, cell: Sequence[str] = ()) -> str:
@@ -148,27 +165,54 @@ def drive(
     return stopped
 
 
-class Report(Protocol):
-    """A command's report: the analysis of a stored result, its Markdown tables, its plot."""
+@dataclass(frozen=True)
+class Report:
+    """A command's report: its Markdown ``tables`` of a result, and optionally its ``plot`` (a PNG), its
+    ``analyze`` (stored under ``"analysis"``) and its ``upgrade`` (a stored JSON brought to the current format).
+    A report module with functions of these names is a report too."""
 
-    def analyze(self, result: dict[str, Any]) -> dict[str, Any]: ...
+    tables: Callable[[dict[str, Any]], str]
+    plot: Callable[[dict[str, Any], Path], None] | None = None
+    analyze: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
-    def tables(self, result: dict[str, Any]) -> str: ...
 
-    def plot(self, result: dict[str, Any], path: Path) -> None: ...
+def _part(report: Any, name: str) -> Callable[..., Any] | None:
+    return getattr(report, name, None)
 
 
-def finish(result: dict[str, Any], report: Report, png: Path, save: Callable[[], None]) -> dict[str, Any]:
-    """The analysis into ``result``, ``save()`` (the JSON), the plot at ``png``; the tables printed."""
-    result["analysis"] = report.analyze(result)
+def load(path: Path, report: Any) -> dict[str, Any]:
+    """The result stored at ``path``, in the current format (the report's ``upgrade``, if any)."""
+    result = json.loads(Path(path).read_text())
+    upgrade = _part(report, "upgrade")
+    return upgrade(result) if upgrade is not None else result
+
+
+def finish(result: dict[str, Any], report: Any, png: Path | None, save: Callable[[], None]) -> dict[str, Any]:
+    """The analysis into ``result`` (when the report has one), ``save()`` (the JSON), the plot at ``png`` (when
+    given and the report draws one); the tables printed."""
+    analyze = _part(report, "analyze")
+    if analyze is not None:
+        result["analysis"] = analyze(result)
     save()
-    report.plot(result, png)
+    plot = _part(report, "plot")
+    if png is not None and plot is not None:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, png)
     print(report.tables(result))
     return result
 
 
-def replot(path: Path, report: Report, png: Path, dumps: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``--replot``: the analysis, the JSON (``json.dumps`` options ``dumps``), the plot and the tables again from
-    the stored runs alone."""
-    result = json.loads(path.read_text())
-    return finish(result, report, png, lambda: atomic_write_json(path, result, **(dumps or {})))
+def write(result: dict[str, Any], report: Any, path: Path, png: Path | None = None, **dumps: Any) -> dict[str, Any]:
+    """:func:`finish` with the JSON written atomically to ``path`` (``json.dumps`` options ``dumps``)."""
+
+    return finish(result, report, png, lambda: atomic_write_json(path, result, **dumps))
+
+
+def replot(path: Path, report: Any, png: Path | None, dumps: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``--replot``: the tables and the plot again from the JSON at ``path`` alone (:func:`load`); with an analysis,
+    it is recomputed and the JSON rewritten with it (``json.dumps`` options ``dumps``)."""
+    result = load(path, report)
+    if _part(report, "analyze") is None:
+        return finish(result, report, png, lambda: None)
+    return write(result, report, path, png, **(dumps or {}))

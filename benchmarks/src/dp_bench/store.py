@@ -29,8 +29,10 @@ POLL_SECONDS = 2.0
 
 
 def atomic_write_json(path: Path, obj: Any, **dumps: Any) -> None:
-    """Write ``obj`` as JSON (``json.dumps(obj, default=float, **dumps)``) to ``path`` through a temporary file in
-    the same folder and a rename: a reader, or a kill mid-write, never sees half a file."""
+    """Write ``obj`` as JSON (``json.dumps(obj, default=float, **dumps)``) to ``path`` (its folder made if needed)
+    through a temporary file in the same folder and a rename: a reader, or a kill mid-write, never sees half a
+    file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, **{"default": float, **dumps}))
     os.replace(tmp, path)
@@ -63,25 +65,26 @@ def _alive(holder: dict[str, Any]) -> bool:
 class SharedResult:
     """The JSON at ``path`` and the in-memory ``result`` of this worker, kept in step (see the module doc).
 
-    ``result["runs"]`` is a dict from run key to record (``dp-bench grid``), or — with ``run_id`` — a list of
-    records whose key is ``run_id(record)`` (``dp-bench federated``). ``dumps``: extra ``json.dumps`` options of
-    the file; ``wall``: the record field summed into ``result["wall_seconds"]`` (None: no total)."""
+    ``result["runs"]`` is a dict from run key (:func:`dp_bench.runner.run_key`) to record. ``dumps``: extra
+    ``json.dumps`` options of the file; ``wall``: the record field summed into ``result["wall_seconds"]`` (None: no
+    total); ``upgrade``: what brings the JSON on disk to the current format before it is merged (the command's
+    report's, e.g. a JSON from before the one key format)."""
 
     def __init__(
         self,
         path: Path,
         result: dict[str, Any],
         *,
-        run_id: Callable[[dict[str, Any]], str] | None = None,
         dumps: dict[str, Any] | None = None,
         wall: str | None = "wall_seconds",
+        upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.path = path
         self.result = result
-        self.run_id = run_id
         self.dumps = dict(dumps or {})
         self.wall = wall
-        result.setdefault("runs", [] if run_id is not None else {})
+        self.upgrade = upgrade
+        result.setdefault("runs", {})
         result.setdefault("lr_choice", {})
         self._lock = path.with_name(path.name + ".lock")
         self._claims = path.with_name(path.name + ".claims")
@@ -99,8 +102,7 @@ class SharedResult:
 
     def runs(self) -> dict[str, dict[str, Any]]:
         """The runs this worker knows to be stored, by key."""
-        runs = self.result["runs"]
-        return runs if self.run_id is None else {self.run_id(r): r for r in runs}
+        return self.result["runs"]
 
     def keys(self) -> set[str]:
         """The keys of the runs this worker knows to be stored."""
@@ -111,12 +113,10 @@ class SharedResult:
         if not self.path.is_file():
             return
         disk = json.loads(self.path.read_text())
-        if self.run_id is None:
-            for key, value in disk.get("runs", {}).items():
-                self.result["runs"].setdefault(key, value)
-        else:
-            have = self.keys()
-            self.result["runs"] += [r for r in disk.get("runs", []) if self.run_id(r) not in have]
+        if self.upgrade is not None:
+            disk = self.upgrade(disk)
+        for key, value in disk.get("runs", {}).items():
+            self.result["runs"].setdefault(key, value)
         for key, value in disk.get("lr_choice", {}).items():
             self.result["lr_choice"].setdefault(key, value)
 
@@ -132,9 +132,7 @@ class SharedResult:
 
     def _write(self) -> None:
         if self.wall is not None:
-            runs = self.result["runs"]
-            records = runs.values() if isinstance(runs, dict) else runs
-            self.result["wall_seconds"] = sum(float(r.get(self.wall, 0.0)) for r in records)
+            self.result["wall_seconds"] = sum(float(r.get(self.wall, 0.0)) for r in self.result["runs"].values())
         atomic_write_json(self.path, self.result, **self.dumps)
 
     def sync(self) -> None:
@@ -159,10 +157,7 @@ class SharedResult:
         """Store this worker's finished run and release its claim (the JSON is rewritten, merged)."""
         with self._locked():
             self._merge()
-            if self.run_id is None:
-                self.result["runs"][key] = record
-            else:
-                self.result["runs"].append(record)
+            self.result["runs"][key] = record
             self._write()
             claims = self._read_claims()
             claims.pop(key, None)

@@ -1,4 +1,4 @@
-"""The harness's tasks: data + base model, for the centralized beds and for federations.
+"""dp-bench's tasks: data + base model, for the centralized beds and for federations.
 
 * :func:`frozen_text_task` — a BERT classifier (``"minilm"``: all-MiniLM-L6-v2 on packaged Rotten Tomatoes;
   ``"tiny"``: the tiny random BERT on the synthetic task) with its bottom encoder layers frozen and their

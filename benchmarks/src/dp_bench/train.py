@@ -1,4 +1,4 @@
-"""The one DP training loop of the harness (every centralized command trains through :func:`run_dp`).
+"""The one DP training loop of dp-bench (every centralized command trains through :func:`run_dp`).
 
 Opacus DP-SGD through ``opacus_spectral.PrivacyEngine``: Poisson sampling, flat clipping, logical batches of
 expected size ``batch_size`` split into physical batches by Opacus' ``BatchMemoryManager``, the given

@@ -35,4 +35,4 @@ __all__ = [
     "save_privacy_record",
     "set_trainable",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

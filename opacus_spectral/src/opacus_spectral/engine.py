@@ -13,19 +13,27 @@ randomness comes from: noise and Poisson sample are drawn from OS-entropy genera
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import opacus
 import torch
 from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.grad_sample.utils import get_gsm_class
+from opacus.optimizers import DPOptimizer, FSDPOptimizerFastGradientClipping, get_optimizer_class
+from opacus.utils.module_utils import trainable_modules
+from opacus.validators import ModuleValidator
+from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
 from torch.distributed._composable.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .accounting.bounds import (
     EngineCount,
@@ -34,6 +42,7 @@ from .accounting.bounds import (
     check_gdp_history,
     refuse_gdp,
     warn_approximate,
+    without_inapplicable_warnings,
 )
 from .accounting.calibration import epsilon_from_history
 from .accounting.checkpoint import (
@@ -60,7 +69,7 @@ from .errors import NonPrivateWarning, ShuffledSamplingWarning
 from .plugins.registry import DenoiserSpec, Registry
 from .step.copies import refuse_copies
 from .step.grad_sample import check_per_sample_support, safe_class
-from .step.installation import HANDLE_ATTR, PostHookHandle, install_post_hooks
+from .step.installation import PostHookHandle, install_post_hooks, remove_pipeline
 from .step.noise_source import NoiseSource, parameter_device, warn_reproducible
 from .step.parameters import unwrap
 from .step.pipeline import DEFAULT_MAX_OUTPUT_RATIO, OnError, OnNonFinite
@@ -86,6 +95,71 @@ def _check_max_grad_norm(value: Any) -> None:
             "clips every per-sample gradient to zero (nothing trains while epsilon is spent), inf bounds no "
             "sensitivity (the noise then protects nothing). Pass the clipping bound C, e.g. 1.0"
         )
+
+
+#: the engine's own settings: given to ``make_private``, they are refused with where they belong
+ENGINE_SETTINGS = ("accountant", "secure_mode", "registry", "noise_seed")
+#: what ``make_private_with_epsilon`` takes besides ``make_private``'s keywords (the budget, the search's tolerance)
+CALIBRATION_KEYWORDS = ("target_epsilon", "target_delta", "epochs", "epsilon_tolerance")
+
+
+def _keywords_of(fn: Callable[..., Any]) -> set[str]:
+    """The names ``fn`` takes as keywords (neither ``self`` nor ``*args`` / ``**kwargs``)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds} - {"self"}
+
+
+def _optimizer_keywords(kwargs: dict[str, Any]) -> set[str]:
+    """The keywords Opacus' ``**kwargs`` carry to the optimizer class ``make_private`` builds (AdaClip's settings)."""
+    distributed = isinstance(kwargs.get("module"), (DPDDP, DDP, FSDPModule))
+    try:
+        cls = get_optimizer_class(
+            clipping=kwargs.get("clipping", "flat"),
+            distributed=distributed,
+            grad_sample_mode=kwargs.get("grad_sample_mode", "hooks"),
+        )
+    except ValueError:  # an unknown clipping or mode: Opacus names it
+        return set()
+    return _keywords_of(cls.__init__) - _keywords_of(DPOptimizer.__init__)
+
+
+def refuse_unknown_keywords(where: str, given: Iterable[str], accepted: set[str]) -> None:
+    """``TypeError`` for a keyword ``where`` does not use (Opacus' ``**kwargs`` ignores it without a word), naming
+    where an engine setting belongs, or the closest keyword it takes."""
+    unknown = sorted(set(given) - accepted)
+    if not unknown:
+        return
+    name = unknown[0]
+    if name in ENGINE_SETTINGS:
+        hint = f"it belongs to the engine: PrivacyEngine({name}=...), for every make_private of that engine"
+    else:
+        close = difflib.get_close_matches(name, sorted(accepted), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(sorted(accepted))}"
+    raise TypeError(
+        f"{where}() got an unexpected keyword argument {name!r}: {hint} (Opacus' make_private would ignore it)"
+    )
+
+
+def refuse_fsdp(*, module: Any = None, grad_sample_mode: str | None = None, optimizer: Any = None) -> None:
+    """The engine refuses FSDP — a model wrapped by it, ``grad_sample_mode="ghost_fsdp"`` (``make_private``), or its
+    optimizer (:func:`~opacus_spectral.step.installation.install_post_hooks` on a hand-built one)."""
+    fsdp = isinstance(module, FSDPModule) or isinstance(optimizer, FSDPOptimizerFastGradientClipping)
+    if fsdp or grad_sample_mode == "ghost_fsdp":
+        raise NotImplementedError(
+            "FSDP (an FSDP-wrapped model, grad_sample_mode='ghost_fsdp') is not supported by opacus_spectral: its "
+            "gradients are sharded DTensors, and a spectral denoiser needs each full matrix. Use DDP (torch's "
+            "DistributedDataParallel or Opacus' DPDDP), or opacus.PrivacyEngine without post_hooks."
+        )
+
+
+def _replaceable_modules(module: nn.Module) -> list[str]:
+    """``'name' (Type)`` of the trainable modules Opacus' validator refuses and ``ModuleValidator.fix`` replaces."""
+    found = []
+    for name, sub in trainable_modules(module):
+        kind = type(sub)
+        if kind in ModuleValidator.FIXERS and ModuleValidator.VALIDATORS.get(kind, lambda m: [])(sub):
+            found.append(f"{name!r} ({kind.__name__})")
+    return found
 
 
 def _unit(kwargs: dict[str, Any]) -> dict[str, bool]:
@@ -121,7 +195,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ):
         if secure_mode and noise_seed is not None:
             raise ValueError("noise_seed makes the noise reproducible, secure_mode makes it unpredictable: pick one")
-        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        with warnings.catch_warnings():
+            # Opacus' "Secure RNG turned off" is about noise from torch's global RNG, which this engine never draws
+            # from (OS-entropy generators: docs/engine.md, "Noise, seeds and reproducibility"); gdp's caveat is
+            # ApproximateEpsilonWarning, where the ε is read
+            warnings.filterwarnings("ignore", message="Secure RNG turned off", category=UserWarning)
+            with without_inapplicable_warnings("gdp"):
+                super().__init__(accountant=accountant, secure_mode=secure_mode)
         self.noise_source = NoiseSource(noise_seed)
         self._sample_rate: float | None = None  # what the accountant's hook records, set by make_private
         self._generators: list[tuple[torch.Generator, str, int]] = []  # (generator, purpose, rank) made here
@@ -130,10 +210,27 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.registry = registry
         self.post_hooks: PostHookHandle | None = None
         self.doctor: Doctor | None = None  #: the checks installed by the last make_private (docs/engine.md)
-        self._doctor_setting: DoctorSetting = True  # make_private_with_epsilon's choice, read by make_private
         self.batch_check: BatchCheck | None = None  #: the last make_private's batch-independence check (docs/engine.md)
-        self._batch_check_setting: BatchCheckSetting = "raise"  # make_private_with_epsilon's choice
         self.precision_guard: PrecisionGuard | None = None  #: float32 clipping under autocast (docs/engine.md)
+
+    def validate(self, *, module: nn.Module, optimizer: Any, data_loader: Any) -> None:  # type: ignore[override]
+        """Opacus' check that every trainable module can be trained privately; modules Opacus' validator can replace
+        (BatchNorm) are named, with the fix."""
+        try:
+            super().validate(module=module, optimizer=optimizer, data_loader=data_loader)
+        except UnsupportedModuleError as err:
+            fixable = _replaceable_modules(module)
+            if not fixable:
+                raise
+            shown = ", ".join(fixable[:4]) + (" ..." if len(fixable) > 4 else "")
+            why = " (a BatchNorm makes each record's output depend on the other records of its batch)"
+            raise UnsupportedModuleError(
+                f"make_private: {len(fixable)} module(s) cannot be trained with differential privacy as they are: "
+                f"{shown}{why if 'BatchNorm' in shown else ''}. Fix: "
+                "model = opacus.validators.ModuleValidator.fix(model) replaces them with modules Opacus supports "
+                "(BatchNorm with GroupNorm); do it before building the optimizer, as the fixed model has new "
+                f"parameters. Opacus' findings: {err}"
+            ) from err
 
     # Opacus builds the GradSampleModule here; swap in the alternation-safe classes.
     def _prepare_model(
@@ -146,11 +243,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         grad_sample_mode: str = "hooks",
         wrap_model: bool = True,
     ) -> Any:
-        if grad_sample_mode == "ghost_fsdp" or isinstance(module, FSDPModule):
-            raise NotImplementedError(
-                "FSDP is not supported by opacus_spectral v1 (sharded DTensor gradients); "
-                "use DDP or opacus.PrivacyEngine"
-            )
+        refuse_fsdp(module=module, grad_sample_mode=grad_sample_mode)
         check_per_sample_support(module)
         cls = safe_class(grad_sample_mode, wrap_model)
         if wrap_model and isinstance(module, AbstractGradSampleModule):
@@ -221,8 +314,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 ``False``.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
-        ``(module, optimizer, criterion, data_loader)``.
+        ``(module, optimizer, criterion, data_loader)``. A keyword neither this engine nor Opacus uses is a
+        ``TypeError`` (:func:`refuse_unknown_keywords`), before anything is built.
         """
+        refuse_unknown_keywords("make_private", kwargs, self._keywords(kwargs))
         self._check_noise(kwargs.get("noise_multiplier"), allow_non_private, post_hooks)
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
@@ -234,24 +329,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         out = super().make_private(*args, **kwargs)
         refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
         self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
-        if self.doctor is not None:
-            self.doctor.remove()
-        setting = self._doctor_setting if doctor is None else doctor
-        self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting, data_loader=out[-1])
-        self._install_guards(out, self._batch_check_setting if batch_check is None else batch_check, kwargs)
-        if post_hooks is not None:
-            # installed after super() returns: the accountant's step hook is attached last inside make_private
-            # (docs/upstream.md §1.3)
-            self.post_hooks = install_post_hooks(
-                out[1],
-                post_hooks,
-                module=out[0],
-                on_error=on_denoiser_error,
-                oracle=oracle,
-                registry=self.registry,
-                max_output_ratio=max_output_ratio,
-                on_nonfinite_grad=on_nonfinite_grad,
-            )
+        pipeline = dict(
+            on_error=on_denoiser_error,
+            oracle=oracle,
+            max_output_ratio=max_output_ratio,
+            on_nonfinite_grad=on_nonfinite_grad,
+        )
+        self._install(out, kwargs, doctor=doctor, batch_check=batch_check, post_hooks=post_hooks, pipeline=pipeline)
         return out
 
     def make_private_with_epsilon(  # type: ignore[override]
@@ -267,29 +351,53 @@ class PrivacyEngine(opacus.PrivacyEngine):
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private_with_epsilon`` plus ``post_hooks``, ``doctor`` and ``batch_check`` (kept
-        out of Opacus' kwargs, which also reach ``get_noise_multiplier``). σ comes from
-        :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` (Opacus' search, bounded; refuses ``gdp``,
-        a ``target_delta`` ≥ 1/N and a target outside its range); without Poisson sampling it is calibrated to the
-        un-amplified bound (one Gaussian mechanism per epoch, :mod:`~opacus_spectral.accounting.sampling`)."""
+        out of Opacus' kwargs, which also reach ``get_noise_multiplier``): ``make_private`` with the calibrated σ,
+        which installs them. σ comes from :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for`
+        (Opacus' search, bounded; refuses ``gdp``, a ``target_delta`` ≥ 1/N and a target outside its range); without
+        Poisson sampling it is calibrated to the un-amplified bound (one Gaussian mechanism per epoch,
+        :mod:`~opacus_spectral.accounting.sampling`)."""
+        accepted = self._keywords(kwargs) | set(CALIBRATION_KEYWORDS)
+        refuse_unknown_keywords("make_private_with_epsilon", kwargs, accepted)
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
         self._drop_previous_pipeline(kwargs.get("optimizer"))
-        self._doctor_setting, self._batch_check_setting = doctor, batch_check
-        try:
-            out = self._private_with_epsilon(*args, **kwargs)
-        finally:
-            self._doctor_setting, self._batch_check_setting = True, "raise"
+        options = dict(
+            post_hooks=post_hooks,
+            on_denoiser_error=on_denoiser_error,
+            oracle=oracle,
+            max_output_ratio=max_output_ratio,
+            on_nonfinite_grad=on_nonfinite_grad,
+            doctor=doctor,
+            batch_check=batch_check,
+        )
+        return self._private_with_epsilon(*args, **options, **kwargs)
+
+    def _keywords(self, kwargs: dict[str, Any]) -> set[str]:
+        """The keywords ``make_private`` uses: its own, Opacus' (the class this engine subclasses, whatever
+        ``opacus.PrivacyEngine`` names now), and those Opacus passes on to the optimizer class it builds for these
+        arguments (AdaClip's)."""
+        upstream = super().make_private
+        return _keywords_of(type(self).make_private) | _keywords_of(upstream) | _optimizer_keywords(kwargs)
+
+    def _install(
+        self,
+        out: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        doctor: DoctorSetting | None,
+        batch_check: BatchCheckSetting | None,
+        post_hooks: Sequence[DenoiserSpec] | None,
+        pipeline: dict[str, Any],
+    ) -> None:
+        """What rides on the DPOptimizer ``make_private`` built (the one install routine of both ``make_private``
+        variants): the doctor, the guards of DESIGN invariant 8, and the denoiser pipeline — after Opacus'
+        ``make_private`` returned, as the accountant's step hook is attached last inside it (docs/upstream.md §1.3)."""
+        if self.doctor is not None:
+            self.doctor.remove()
+        setting = True if doctor is None else doctor
+        self.doctor = install_doctor(out[1], out[0], accountant=self.accountant, mode=setting, data_loader=out[-1])
+        self._install_guards(out, "raise" if batch_check is None else batch_check, kwargs)
         if post_hooks is not None:
-            self.post_hooks = install_post_hooks(
-                out[1],
-                post_hooks,
-                module=out[0],
-                on_error=on_denoiser_error,
-                oracle=oracle,
-                registry=self.registry,
-                max_output_ratio=max_output_ratio,
-                on_nonfinite_grad=on_nonfinite_grad,
-            )
-        return out
+            self.post_hooks = install_post_hooks(out[1], post_hooks, module=out[0], registry=self.registry, **pipeline)
 
     def _private_with_epsilon(
         self, *args: Any, target_epsilon: float, target_delta: float, epochs: float, **kwargs: Any
@@ -481,10 +589,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if self.post_hooks is not None:
             self.post_hooks.remove()
             self.post_hooks = None
-        inner = getattr(optimizer, "original_optimizer", optimizer)
-        old = getattr(inner, HANDLE_ATTR, None)
-        if old is not None:
-            old.remove()
+        remove_pipeline(optimizer)
 
     # Opacus' checkpoint helpers, plus the pipeline's state (stateful denoisers, step counter).
     def save_checkpoint(self, *, checkpoint_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:  # type: ignore[override]

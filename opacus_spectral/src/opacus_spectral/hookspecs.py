@@ -54,3 +54,15 @@ def opacus_spectral_parameter_roles(  # type: ignore[empty-body]
     get the built-in role (``weight`` / ``bias`` / ``embedding``). When two plugins name the same
     parameter differently the one registered first wins and a warning is issued.
     """
+
+
+@hookspec(firstresult=True)
+def opacus_spectral_alternation_controller(trainer: Any) -> Any | None:
+    """Attach an alternation controller to a ``DPTrainer`` about to train, and return it (``None``: not yours).
+
+    Called once per ``DPTrainer.train()`` when ``DPTrainingArguments.alternation`` is true, before the optimizer
+    exists. A controller changes which parameters train between DP steps (peft-lalora: the LoRA factor schedule of a
+    LALoRA adapter); it attaches as a Trainer callback and freezes with ``trainer.set_trainable`` (Opacus' per-sample
+    state included). Return ``None`` when the trainer's model carries none of your adapters or a controller is already
+    attached. The first non-``None`` answer wins; an exception (a set-up the controller refuses) stops ``train()``.
+    """

@@ -1,36 +1,74 @@
 """peft-lalora: LA-LoRA (LoRA with step-wise alternating factor updates) as a PEFT tuner.
 
-Importing this package registers the PEFT type ``"LALORA"`` (idempotent), so ``get_peft_model``,
+Importing this package registers the PEFT type ``"LALORA"`` (idempotent) with PEFT — at once when ``peft`` is
+already imported, otherwise the moment it is (before any PEFT call can look the type up) — so ``get_peft_model``,
 ``PeftModel.from_pretrained``, ``AutoPeftModel*``, ``save_pretrained`` and ``merge_and_unload`` work with
-:class:`LALoraConfig`. DP parts (``opacus_spectral``) are imported lazily, behind the ``[dp]`` extra.
+:class:`LALoraConfig`. Every name below is imported on first use: ``import peft_lalora`` alone imports no torch
+(``peft-lalora federate --help`` answers at once). DP parts (``opacus_spectral``) are imported lazily, behind the
+``[dp]`` extra.
 """
 
-from .alternation.controller import AlternationController, LALoraTrainerCallback, phase_at
-from .alternation.factors import LoraFactor, find_lora_factors, lalora_param_groups
-from .alternation.schedule import AlternationSchedule
-from .tuners.lalora.config import ALTERNATION_MODES, LALoraConfig, LALoraPeftType
-from .tuners.lalora.export import export_as_lora, to_lora_config
-from .tuners.lalora.model import LALoraModel
-from .tuners.lalora.registration import is_registered, register
+from __future__ import annotations
 
-register()
+import importlib.abc
+import importlib.util
+import sys
+from importlib import import_module
+from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = [
-    "ALTERNATION_MODES",
-    "AlternationController",
-    "AlternationSchedule",
-    "LALoraConfig",
-    "LALoraModel",
-    "LALoraPeftType",
-    "LALoraTrainerCallback",
-    "LoraFactor",
-    "export_as_lora",
-    "find_lora_factors",
-    "is_registered",
-    "lalora_param_groups",
-    "phase_at",
-    "register",
-    "to_lora_config",
-]
+_LAZY = {
+    "AlternationController": "alternation.controller",
+    "LALoraTrainerCallback": "alternation.controller",
+    "phase_at": "alternation.controller",
+    "LoraFactor": "alternation.factors",
+    "find_lora_factors": "alternation.factors",
+    "lalora_param_groups": "alternation.factors",
+    "AlternationSchedule": "alternation.schedule",
+    "ALTERNATION_MODES": "tuners.lalora.config",
+    "LALoraConfig": "tuners.lalora.config",
+    "LALoraPeftType": "tuners.lalora.config",
+    "export_as_lora": "tuners.lalora.export",
+    "to_lora_config": "tuners.lalora.export",
+    "LALoraModel": "tuners.lalora.model",
+    "is_registered": "tuners.lalora.registration",
+    "register": "tuners.lalora.registration",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _RegisterAfterPeft(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``peft`` with the other finders, executes it, then registers ``LALORA`` (one use: removes itself)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "peft":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("peft")
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        import_module(".tuners.lalora.registration", __name__).register()
+
+
+if "peft" in sys.modules:
+    import_module(".tuners.lalora.registration", __name__).register()
+elif not any(isinstance(f, _RegisterAfterPeft) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterPeft())

@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dataclass_arguments(f, FederationConfig, defaults=CLI_DEFAULTS)
     run = f.add_argument_group("how to run it")
-    run.add_argument("--runner", choices=["simulation", "flower"], default="simulation")
+    run.add_argument(
+        "--runner",
+        choices=["simulation", "flower"],
+        default="simulation",
+        help="simulation: every client in this process; flower: a local Flower federation on 127.0.0.1 (a SuperLink "
+        "and one SuperNode per client, TLS and node authentication; docs/deployment.md)",
+    )
     run.add_argument(
         "--insecure",
         action="store_true",
@@ -117,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="flower runner: keep the private work folder (logs, app, CA and node keys) instead of deleting it",
     )
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument(
+        "--no-progress", action="store_true", help="simulation runner: no progress bar (rounds and clients) on stderr"
+    )
     return parser
 
 
@@ -150,12 +158,32 @@ def config_or_flag_error(args: argparse.Namespace) -> Any:
         raise ValueError(f"--{err.field.replace('_', '-')} {_shown(err.value)}: must be {err.rule}") from None
 
 
+def check_model_flag(cfg: Any) -> None:
+    """``--model`` names a folder (or a hub id): a missing folder is named before anything loads."""
+    from .federated.data.inputs import model_folder_problem
+
+    problem = model_folder_problem(cfg.model) if cfg.task == "text" and cfg.model else None
+    if problem is not None:
+        raise ValueError(f"--model {cfg.model}: {problem}")
+
+
 def federate(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict."""
+    """Run the federation described by ``args`` and write ``args.out``; returns the JSON dict. A partition the
+    flags cannot make is a ``ValueError`` naming the flags to change."""
+    from .federated.data.partition import PartitionError
+
+    try:
+        return _federate(args)
+    except PartitionError as err:
+        raise ValueError(err.worded(flags=True)) from None
+
+
+def _federate(args: argparse.Namespace) -> dict[str, Any]:
     from .federated.client.save import check_out_file, check_target_dir
 
     check_run_flags(args)
     cfg = config_or_flag_error(args)
+    check_model_flag(cfg)
     check_out_file(args.out)  # before training: a bad --out must not cost the run
     if args.save_adapter is not None:
         check_target_dir(args.save_adapter)

@@ -59,13 +59,9 @@ def test_gdp_kept_for_reporting_warns_where_it_is_used() -> None:
 
 def _trainer(tmp_path, **kw) -> DPTrainer:
     model = lalora_model()
-    dp = {"target_delta": 1e-5, "max_grad_norm": 1.0, "accountant": "rdp", **kw}
+    dp = {"target_epsilon": None, "target_delta": 1e-5, "accountant": "rdp", **kw}
     return DPTrainer(
-        model=model,
-        args=args(tmp_path, max_steps=1),
-        train_dataset=dataset(),
-        optimizers=(adamw(model), None),
-        **dp,
+        model=model, args=args(tmp_path, max_steps=1, **dp), train_dataset=dataset(), optimizers=(adamw(model), None)
     )
 
 

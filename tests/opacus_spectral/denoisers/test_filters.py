@@ -9,6 +9,8 @@ import pytest
 import torch
 from opacus_spectral.denoisers import filters as F
 from opacus_spectral.denoisers.lowpass import LowPassDenoiser
+from opacus_spectral.step.parameters import ParamInfo
+from opacus_spectral.step.pipeline import PostNoisePipeline
 
 from opacus_spectral import NoisyGradient
 
@@ -145,8 +147,11 @@ def test_lowpass_weight_axis_vectors_and_options() -> None:
     assert lap1[1] is not None and torch.allclose(lap1[1], F.laplacian_smooth(recs[1].tensor, 2.0, 0))
     gau = LowPassDenoiser(kernel="gaussian", kernel_width=0.8)(recs)
     assert gau[0] is not None and torch.allclose(gau[0], F.gaussian(recs[0].tensor, 0.8, axis=1))
-    sel = LowPassDenoiser(params=["enc.1"], role_axes={"lora_B": None})(recs)
-    assert [o is not None for o in sel] == [False, False, True, False, False, False]
+    # params= and the roles with an axis select the records the pipeline hands it
+    picked = LowPassDenoiser(params=["enc.1"], role_axes={"lora_B": None})
+    infos = [ParamInfo(r.name, r.role, r.layer) for r in recs]
+    out = PostNoisePipeline([picked]).run([r.tensor.clone() for r in recs], infos, sigma=recs[0].sigma)
+    assert [not torch.equal(o, r.tensor) for o, r in zip(out, recs, strict=True)] == [False, False, True] + [False] * 3
     for bad in (
         {"kernel": "box"},
         {"laplacian_dims": 3},

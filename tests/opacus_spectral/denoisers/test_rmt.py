@@ -10,6 +10,8 @@ import torch
 from opacus_spectral.denoisers.rmt import PAPER_SETTING, DenoiseResult, rmt_denoise
 from opacus_spectral.denoisers.rmt import RMTDenoiser as _RMTDenoiser
 from opacus_spectral.denoisers.rmt import denoiser as rmt_mod
+from opacus_spectral.step.parameters import ParamInfo
+from opacus_spectral.step.pipeline import PostNoisePipeline
 
 from opacus_spectral import NoisyGradient
 
@@ -101,21 +103,34 @@ def test_acts_on_every_matrix_role_and_shape() -> None:
     assert int(d.stats["nonfinite"]) == 0
 
 
-def test_vectors_empty_and_unselected_untouched() -> None:
-    s = 0.1
+def test_vectors_scalars_empty_and_integer_tensors_untouched() -> None:
     recs = [
         rec("l.bias", "bias", torch.randn(32, device=DEVICE)),
         rec("ln.weight", "bias", torch.randn(8, device=DEVICE)),
         rec("scalar", "weight", torch.tensor(3.0, device=DEVICE)),
         rec("empty", "weight", torch.zeros(0, 5, device=DEVICE)),
-        rec("emb.weight", "embedding", spiked_matrix(50, 16, s, 1)),
         rec("int", "weight", torch.ones(4, 4, dtype=torch.int64, device=DEVICE)),
     ]
     d = RMTDenoiser()
     assert run(d, recs)[1] == [False] * len(recs)
     assert d.stats["matrices"] == 0
-    # the embedding role can be opted in
-    assert run(RMTDenoiser(roles=("embedding",)), recs)[1] == [False, False, False, False, True, False]
+
+
+def through_pipeline(d: _RMTDenoiser, recs: list[NoisyGradient]) -> list[bool]:
+    """Per record, whether it changed when the pipeline hands ``d`` the records its selector picks (as in training)."""
+    before = [r.tensor.clone() for r in recs]
+    infos = [ParamInfo(r.name, r.role, r.layer) for r in recs]
+    out = PostNoisePipeline([d]).run([r.tensor for r in recs], infos, sigma=recs[0].sigma)
+    return [not torch.equal(o, b) for o, b in zip(out, before, strict=True)]
+
+
+def test_the_pipeline_hands_it_the_roles_it_selects_and_it_acts_on_what_it_is_handed() -> None:
+    def recs() -> list[NoisyGradient]:
+        return [rec("emb.weight", "embedding", spiked_matrix(50, 16, 0.1, 1)), rec("b", "bias", torch.randn(8))]
+
+    assert through_pipeline(RMTDenoiser(), recs()) == [False, False]  # the embedding role is not a default one
+    assert through_pipeline(RMTDenoiser(roles=("embedding",)), recs()) == [True, False]  # opted in
+    assert run(RMTDenoiser(), recs())[1] == [True, False]  # handed directly: the denoiser does not select again
 
 
 def test_roles_and_params_filters() -> None:
@@ -126,14 +141,14 @@ def test_roles_and_params_filters() -> None:
         rec("enc.dense.weight", "weight", spiked_matrix(64, 64, s, 3)),
         rec("head.weight", "weight", spiked_matrix(2, 64, s, 4)),
     ]
-    kw = {"inplace": False}
-    only_lora = RMTDenoiser(roles=("lora_A", "lora_B"), **kw)(recs)
-    assert [o is not None for o in only_lora] == [True, True, False, False]
-    by_name = RMTDenoiser(params=["dense", "lora_B"], **kw)(recs)
-    assert [o is not None for o in by_name] == [False, True, True, False]
-    by_pred = RMTDenoiser(params=lambda name: name.startswith("head"), **kw)(recs)
-    assert [o is not None for o in by_pred] == [False, False, False, True]
-    assert all(run(RMTDenoiser(roles=("lora_A", "lora_B")), recs)[1][:2])
+
+    def copies() -> list[NoisyGradient]:
+        return [rec(r.name, r.role, r.tensor.clone()) for r in recs]
+
+    assert through_pipeline(RMTDenoiser(roles=("lora_A", "lora_B")), copies()) == [True, True, False, False]
+    assert through_pipeline(RMTDenoiser(params=["dense", "lora_B"]), copies()) == [False, True, True, False]
+    by_pred = RMTDenoiser(params=lambda name: name.startswith("head"), inplace=False)
+    assert through_pipeline(by_pred, copies()) == [False, False, False, True]
 
 
 def test_sigma_comes_from_record_only() -> None:

@@ -366,11 +366,10 @@ class Records(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("doctor", [False, "raise"])
 def test_dptrainer_default_post_hooks_none_and_a_nan_record(tmp_path, doctor):
-    from opacus_spectral.hf.dp_trainer import DPTrainer
-    from transformers import TrainingArguments
+    from opacus_spectral.hf import DPTrainer, DPTrainingArguments
 
     model = TinyClassifier()
-    args = TrainingArguments(
+    args = DPTrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=16,
         max_steps=2,
@@ -379,16 +378,12 @@ def test_dptrainer_default_post_hooks_none_and_a_nan_record(tmp_path, doctor):
         save_strategy="no",
         disable_tqdm=True,
         learning_rate=0.1,
-    )
-    trainer = DPTrainer(
-        model=model,
-        args=args,
-        train_dataset=Records(nan_data()),
         noise_multiplier=1.0,
         target_delta=1e-5,
         accountant="rdp",
         doctor=doctor,
     )
+    trainer = DPTrainer(model=model, args=args, train_dataset=Records(nan_data()))
     if doctor is False:  # the silent failure: every weight NaN, nothing said (the loss is not logged either)
         with warnings.catch_warnings():
             warnings.simplefilter("error", DoctorWarning)

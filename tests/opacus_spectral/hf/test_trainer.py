@@ -183,7 +183,7 @@ def test_accumulation_clips_each_example_over_the_logical_batch(tmp_path, monkey
             tmp_path,
             noise_multiplier=0.0,
             target_epsilon=None,
-            max_grad_norm=C,
+            per_sample_max_grad_norm=C,
             post_hooks=[rec],
             grad_sample_mode=mode,
             train_args=args(tmp_path, max_steps=1),
@@ -291,8 +291,10 @@ def test_refuses_what_cannot_work(tmp_path, change, match):
 
 @pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan")])
 def test_refuses_a_clipping_bound_that_is_not_finite_and_positive(tmp_path, bound):
-    with pytest.raises(ValueError, match=r"max_grad_norm \(the per-example clipping bound C\) must be finite and > 0"):
-        trainer(tmp_path, max_grad_norm=bound)
+    with pytest.raises(
+        ValueError, match=r"per_sample_max_grad_norm \(the per-example clipping bound C\) must be finite"
+    ):
+        trainer(tmp_path, per_sample_max_grad_norm=bound)
 
 
 def test_refuses_multi_gpu_without_ddp_and_bad_arguments(tmp_path, monkeypatch):
@@ -368,19 +370,9 @@ def test_token_level_labels_are_each_examples_own_mean_in_hooks_and_ghost(tmp_pa
         rec = Recorder()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = DPTrainer(
-                model=model,
-                args=args(tmp_path, max_steps=1),
-                train_dataset=ds,
-                noise_multiplier=0.0,
-                target_delta=1e-5,
-                accountant="rdp",
-                grad_sample_mode=mode,
-                max_grad_norm=0.05,
-                post_hooks=[rec],
-                noise_seed=NOISE_SEED,
-                make_private_kwargs={"allow_non_private": True},
-            )
+            dp = dict(noise_multiplier=0.0, target_epsilon=None, grad_sample_mode=mode, per_sample_max_grad_norm=0.05)
+            dp.update(post_hooks=[rec], noise_seed=NOISE_SEED, make_private_kwargs={"allow_non_private": True})
+            t = DPTrainer(model=model, args=args(tmp_path, max_steps=1, **dp), train_dataset=ds)
             t.train()
         assert t.task == "token_classification" and t.state.global_step == 1
         released[mode] = rec.steps[0]

@@ -17,6 +17,7 @@ from causal_lm_support import (
     VOCAB,
     args,
     collator,
+    corpus,
     llama,
     lm_dataset,
     lora_llama,
@@ -94,7 +95,7 @@ def test_released_gradient_is_the_clipped_per_example_next_token_gradient(tmp_pa
     norms = sorted(math.sqrt(sum(float(v.pow(2).sum()) for v in g.values())) for g in reference)
     C = (norms[3] + norms[4]) / 2  # half the examples are clipped
     rec = Recorder()
-    t = trainer(tmp_path, model, data, grad_sample_mode=mode, max_grad_norm=C, post_hooks=[rec])
+    t = trainer(tmp_path, model, data, grad_sample_mode=mode, per_sample_max_grad_norm=C, post_hooks=[rec])
     assert t.task == "causal_lm"
     t.train()
     assert t.sample_rate == 1.0 and len(rec.steps) == 1
@@ -153,7 +154,7 @@ def test_matches_a_hand_written_opacus_loop_with_the_per_example_loss(tmp_path, 
         data,
         grad_sample_mode=mode,
         noise_multiplier=0.8,
-        max_grad_norm=0.5,
+        per_sample_max_grad_norm=0.5,
         lr=0.5,
         noise_seed=SEED,
         make_private_kwargs={},
@@ -190,17 +191,9 @@ def test_next_token_loss_falls_eval_is_per_token_and_the_adapter_reloads(tmp_pat
     train, held = lm_dataset(64, seed=0), lm_dataset(24, seed=1)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_MODULES, lora_dropout=0.0, task_type="CAUSAL_LM")
     model = lora_llama(config)
-    a = args(tmp_path, max_steps=20, learning_rate=2e-2, per_device_train_batch_size=8, logging_steps=10)
-    t = DPTrainer(
-        model=model,
-        args=a,
-        train_dataset=train,
-        eval_dataset=held,
-        data_collator=collator(),
-        noise_multiplier=0.5,
-        target_delta=1e-5,
-        max_grad_norm=1.0,
-    )
+    run = dict(max_steps=20, learning_rate=2e-2, per_device_train_batch_size=8, logging_steps=10)
+    a = args(tmp_path, **run, noise_multiplier=0.5, accountant="prv", make_private_kwargs=None)
+    t = DPTrainer(model=model, args=a, train_dataset=train, eval_dataset=held, data_collator=collator())
     before = t.evaluate()  # batches of 8 padded sequences of 3-11 tokens
     model.eval()
     direct = per_token_mean(model, held)
@@ -306,7 +299,7 @@ def test_bf16_autocast_clips_in_float32_and_releases_float32(tmp_path, monkeypat
         tmp_path,
         lora_llama(),
         data,
-        max_grad_norm=C,
+        per_sample_max_grad_norm=C,
         post_hooks=[rec],
         doctor=False,  # it sees the edit
         train_args=args(tmp_path, bf16=True, max_steps=8, gradient_accumulation_steps=1),
@@ -375,3 +368,31 @@ def test_the_task_is_detected_or_refused(tmp_path):
     t.data_collator = DataCollatorWithPadding(tokenizer())
     with pytest.raises(ValueError, match="needs 'labels'.*DataCollatorForLanguageModeling"):
         t.train()
+
+
+def test_docs_example_runs(tmp_path, monkeypatch):
+    """docs/llm.md's libraries-only example as written: the tiny Llama and its word-level tokenizer saved to the
+    folder it names, toy lines in train.txt / valid.txt, 3 steps instead of 200, use_cpu=True (bf16 without a GPU)."""
+    import re
+
+    import datasets
+    from repo_support import DOCS
+
+    text = (DOCS / "llm.md").read_text()
+    code = re.search(r"with DPTrainer, libraries only\s+```python\n(.*?)```", text, flags=re.S).group(1)
+    imports = set(re.findall(r"^(?:from|import) (\w+)", code, flags=re.M))
+    assert imports == {"torch", "datasets", "peft", "transformers", "opacus_spectral"}  # the libraries only
+    assert "max_steps=200" in code and "bf16=True" in code
+    llama().save_pretrained(tmp_path / "SmolLM2-135M-Instruct")
+    tokenizer().save_pretrained(tmp_path / "SmolLM2-135M-Instruct")
+    (tmp_path / "train.txt").write_text("\n\n".join(corpus(64)))  # blank lines between: filtered out
+    (tmp_path / "valid.txt").write_text("\n".join(corpus(16, seed=1)))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    code = code.replace("max_steps=200", "max_steps=3").replace("bf16=True", "bf16=True, use_cpu=True")
+    ns: dict = {}
+    exec(compile(code, "docs/llm.md", "exec"), ns)
+    t = ns["trainer"]
+    assert t.task == "causal_lm" and t.state.global_step == 3 and 0 < t.get_epsilon() <= 8.0
+    assert len(t.train_dataset) == 64 and t.privacy_engine.post_hooks.diagnostics.steps == 3
+    assert math.isfinite(ns["before"]) and (tmp_path / "dp-lm" / "adapter" / "adapter_config.json").is_file()

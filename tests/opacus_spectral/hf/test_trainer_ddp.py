@@ -57,11 +57,10 @@ def train(out: Path, name: str) -> dict[str, Any]:
 
     from engine_helpers import Recorder
     from opacus_spectral.errors import ReproducibleNoiseWarning
+    from opacus_spectral.hf import DPTrainer, DPTrainingArguments
     from opacus_spectral.hf.distributed import LockstepPoissonSampler
-    from opacus_spectral.hf.dp_trainer import DPTrainer
     from peft import get_peft_model
     from text_support import synthetic_text_task, tiny_bert
-    from transformers import TrainingArguments
 
     import peft_lalora  # noqa: F401  (registers LALORA; DPTrainer attaches the alternation)
     from peft_lalora import LALoraConfig
@@ -83,7 +82,8 @@ def train(out: Path, name: str) -> dict[str, Any]:
             return get_peft_model(model, cfg)
 
     save = dict(save_strategy="steps", save_steps=run["save_steps"]) if "save_steps" in run else {"save_strategy": "no"}
-    args = TrainingArguments(
+    recorder = Recorder()
+    args = DPTrainingArguments(
         output_dir=str(out / name),
         per_device_train_batch_size=run["logical"] // (run["accum"] * world),
         gradient_accumulation_steps=run["accum"],
@@ -97,6 +97,9 @@ def train(out: Path, name: str) -> dict[str, Any]:
         disable_tqdm=True,
         dataloader_num_workers=0,
         **save,
+        target_delta=1e-5,
+        post_hooks=[recorder],
+        **run["dp"],
     )
     sizes: list[int] = []
     plain_iter = LockstepPoissonSampler.__iter__
@@ -106,21 +109,13 @@ def train(out: Path, name: str) -> dict[str, Any]:
             sizes.append(len(batch))
             yield batch
 
-    recorder = Recorder()
     model = model_of()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
     def trainer_of(model: torch.nn.Module) -> DPTrainer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-            return DPTrainer(
-                model=model,
-                args=args,
-                train_dataset=synthetic_text_task(run["n"], seq_len=8, seed=0),
-                target_delta=1e-5,
-                post_hooks=[recorder],
-                **run["dp"],
-            )
+            return DPTrainer(model=model, args=args, train_dataset=synthetic_text_task(run["n"], seq_len=8, seed=0))
 
     trainer = trainer_of(model)
     LockstepPoissonSampler.__iter__ = recorded  # type: ignore[method-assign]
@@ -156,10 +151,9 @@ MISMATCHES = ("same", "order", "length", "setup")
 def mismatch_refusal(out: Path, kind: str) -> str:
     """The error of a one-step DPTrainer run whose rank 1 holds the records in another order, one record fewer, or
     another clipping bound ("same": rank 1 builds the same records itself); "no error" if it trains."""
-    from opacus_spectral.hf.dp_trainer import DPTrainer
+    from opacus_spectral.hf import DPTrainer, DPTrainingArguments
     from peft import LoraConfig, get_peft_model
     from text_support import synthetic_text_task, tiny_bert
-    from transformers import TrainingArguments
 
     rank = int(os.environ.get("RANK", "0"))
     data = synthetic_text_task(16, seq_len=8, seed=0)  # logical batch 8: q = 1/2 with 16 or 15 records
@@ -167,7 +161,8 @@ def mismatch_refusal(out: Path, kind: str) -> str:
         data = data.select(list(reversed(range(16))))
     if rank == 1 and kind == "length":
         data = data.select(range(15))
-    args = TrainingArguments(
+    clip = 2.0 if rank == 1 and kind == "setup" else 1.0
+    args = DPTrainingArguments(
         str(out / kind),
         per_device_train_batch_size=4,
         max_steps=1,
@@ -177,12 +172,12 @@ def mismatch_refusal(out: Path, kind: str) -> str:
         save_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        target_delta=1e-5,
+        noise_multiplier=1.0,
+        per_sample_max_grad_norm=clip,
     )
     model = get_peft_model(tiny_bert(seed=0), LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
-    clip = 2.0 if rank == 1 and kind == "setup" else 1.0
-    t = DPTrainer(
-        model=model, args=args, train_dataset=data, target_delta=1e-5, noise_multiplier=1.0, max_grad_norm=clip
-    )
+    t = DPTrainer(model=model, args=args, train_dataset=data)
     try:
         t.train()
     except ValueError as err:
@@ -201,18 +196,24 @@ def left_padding_sums(out: Path) -> dict[str, torch.Tensor]:
 
 def fsdp_refusal(out: Path) -> str:
     """The error of a DPTrainer built with an FSDP configuration (last: it leaves FSDP set in the environment)."""
-    from opacus_spectral.hf.dp_trainer import DPTrainer
+    from opacus_spectral.hf import DPTrainer, DPTrainingArguments
     from text_support import synthetic_text_task, tiny_bert
-    from transformers import TrainingArguments
 
-    args = TrainingArguments(str(out / "fsdp"), use_cpu=True, ddp_backend="gloo", report_to=[], fsdp=True, max_steps=1)
+    args = DPTrainingArguments(
+        str(out / "fsdp"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        fsdp=True,
+        max_steps=1,
+        target_delta=1e-5,
+        noise_multiplier=1.0,
+    )
     try:
         DPTrainer(
             model=tiny_bert(seed=0),
             args=args,
             train_dataset=synthetic_text_task(8, seq_len=8, seed=0),
-            target_delta=1e-5,
-            noise_multiplier=1.0,
         )
     except ValueError as err:
         return str(err)
@@ -309,7 +310,7 @@ def test_ranks_with_the_same_records_train(results):
     [
         ("order", r"the records \(a hash of their content, in order, differs\)\. "),
         ("length", r"dataset length \(rank 0: 16, rank 1: 15\); the records"),
-        ("setup", r"max_grad_norm \(rank 0: 1\.0, rank 1: 2\.0\)\. "),
+        ("setup", r"per_sample_max_grad_norm \(rank 0: 1\.0, rank 1: 2\.0\)\. "),
     ],
 )
 def test_ranks_holding_other_records_or_settings_are_refused_on_every_rank(results, kind, names):

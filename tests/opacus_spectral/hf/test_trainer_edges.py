@@ -12,7 +12,7 @@ import torch
 from opacus_spectral.hf.budget import epsilon_after
 from opacus_spectral.hf.dp_trainer import DPTrainer
 from torch import nn
-from trainer_support import NOISE_SEED, Recorder, adamw, args, dataset, lalora_model, trainer
+from trainer_support import DP, NOISE_SEED, Recorder, adamw, args, dataset, lalora_model, trainer, with_dp
 
 NON_PRIVATE = {"allow_non_private": True}
 
@@ -25,11 +25,15 @@ class OwnLoss(DPTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def build(tmp_path, *, cls=DPTrainer, train_args=None, **kw) -> DPTrainer:
+def build(tmp_path, *, cls=DPTrainer, train_args=None, criterion=None, compute_loss_func=None, **kw) -> DPTrainer:
     model = lalora_model()
-    dp = dict(target_epsilon=3.0, target_delta=1e-5, accountant="rdp", **kw)
     return cls(
-        model=model, args=train_args or args(tmp_path), train_dataset=dataset(), optimizers=(adamw(model), None), **dp
+        model=model,
+        args=with_dp(train_args or args(tmp_path), DP, **kw),
+        train_dataset=dataset(),
+        optimizers=(adamw(model), None),
+        criterion=criterion,
+        compute_loss_func=compute_loss_func,
     )
 
 
@@ -39,19 +43,13 @@ def released(tmp_path, *, mode: str, cls=DPTrainer, clip: float = 0.05, **train_
     rec = Recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # noise 0 warns
+        dp = dict(noise_multiplier=0.0, target_epsilon=None, per_sample_max_grad_norm=clip, grad_sample_mode=mode)
+        dp.update(post_hooks=[rec], noise_seed=NOISE_SEED, make_private_kwargs=NON_PRIVATE)
         t = cls(
             model=model,
-            args=args(tmp_path, max_steps=1, **train_kw),
+            args=args(tmp_path, max_steps=1, **train_kw, **dp),
             train_dataset=dataset(),
             optimizers=(adamw(model), None),
-            noise_multiplier=0.0,
-            target_delta=1e-5,
-            accountant="rdp",
-            max_grad_norm=clip,
-            post_hooks=[rec],
-            grad_sample_mode=mode,
-            noise_seed=NOISE_SEED,
-            make_private_kwargs=NON_PRIVATE,
         )
         t.train()
     return {n: g for n, (g, _) in rec.steps[0].items()}
@@ -132,14 +130,7 @@ def test_a_run_whose_trainer_counts_zero_steps_is_refused_before_calibration(tmp
 def test_an_empty_training_set_is_refused_clearly(tmp_path):
     model = lalora_model()
     with pytest.raises(ValueError, match="empty train_dataset"):
-        DPTrainer(
-            model=model,
-            args=args(tmp_path),
-            train_dataset=dataset().select([]),
-            optimizers=(adamw(model), None),
-            target_epsilon=3.0,
-            target_delta=1e-5,
-        )
+        DPTrainer(model=model, args=args(tmp_path), train_dataset=dataset().select([]), optimizers=(adamw(model), None))
     t = trainer(tmp_path)
     t.train_dataset = dataset().select([])  # emptied after construction: refused when the loader is built
     with pytest.raises(ValueError, match="empty train_dataset"):

@@ -12,14 +12,14 @@ import datasets
 import pytest
 import torch
 from opacus_spectral.errors import ReproducibleNoiseWarning
-from opacus_spectral.hf.dp_trainer import DPTrainer
+from opacus_spectral.hf import DPTrainer, DPTrainingArguments
 from opacus_spectral.hf.logs import PUBLIC_LOG_KEYS
 from opacus_spectral.hf.state import DP_STATE_FILE
 from peft import LoraConfig, get_peft_model
 from text_support import synthetic_text_task, tiny_bert
 from torch import nn
 from trainer_support import quiet_cpu_args
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,9 @@ def records(flip: bool = False) -> datasets.Dataset:
     return datasets.Dataset.from_dict(data).with_format("torch")
 
 
-def train_args(tmp_path, **kw) -> TrainingArguments:
-    run = dict(per_device_train_batch_size=N, max_steps=1, learning_rate=LR, seed=42)
+def train_args(tmp_path, **kw) -> DPTrainingArguments:
+    """One step of q = 1 at noise multiplier SIGMA (RDP, δ = 1e-5); ``kw`` sets or overrides any argument."""
+    run = dict(per_device_train_batch_size=N, max_steps=1, learning_rate=LR, seed=42, noise_multiplier=SIGMA)
     return quiet_cpu_args(tmp_path, **{**run, **kw})
 
 
@@ -56,14 +57,9 @@ def one_step(tmp_path, *, flip: bool = False, **dp) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     t = DPTrainer(
         model=model,
-        args=train_args(tmp_path),
+        args=train_args(tmp_path, per_sample_max_grad_norm=C, **dp),
         train_dataset=records(flip),
-        noise_multiplier=SIGMA,
-        target_delta=1e-5,
-        max_grad_norm=C,
-        accountant="rdp",
         optimizers=(torch.optim.SGD(params, lr=LR), None),
-        **dp,
     )
     t.train()
     assert t.sample_rate == 1.0 and t.privacy_engine.accountant.history == [(SIGMA, 1.0, 1)]
@@ -119,13 +115,10 @@ def logged_run(tmp_path, **dp):
             eval_strategy="steps",
             eval_steps=2,
             per_device_eval_batch_size=8,
+            **dp,
         ),
         train_dataset=records(),
         eval_dataset=records(),
-        noise_multiplier=SIGMA,
-        target_delta=1e-5,
-        accountant="rdp",
-        **dp,
     )
     seen = Captured()
     t.add_callback(seen)
@@ -203,15 +196,10 @@ def adamw_trainer(out, max_steps=6, save_steps=2) -> DPTrainer:
         save_strategy="steps",
         save_steps=save_steps,
         learning_rate=1e-2,
+        noise_multiplier=1.0,
     )
     return DPTrainer(
-        model=model,
-        args=a,
-        train_dataset=records(),
-        noise_multiplier=1.0,
-        target_delta=1e-5,
-        accountant="rdp",
-        optimizers=(torch.optim.AdamW(params, lr=1e-2), None),
+        model=model, args=a, train_dataset=records(), optimizers=(torch.optim.AdamW(params, lr=1e-2), None)
     )
 
 
@@ -314,16 +302,10 @@ def test_resuming_with_a_noise_seed_does_not_replay_the_first_steps_noise(tmp_pa
             warnings.simplefilter("ignore", ReproducibleNoiseWarning)
             model = lora_model()
             params = [p for p in model.parameters() if p.requires_grad]
-            a = train_args(out, per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps", save_steps=2)
+            run = dict(per_device_train_batch_size=4, max_steps=max_steps, save_strategy="steps", save_steps=2)
+            a = train_args(out, **run, noise_multiplier=1.0, noise_seed=7)
             DPTrainer(
-                model=model,
-                args=a,
-                train_dataset=records(),
-                noise_multiplier=1.0,
-                target_delta=1e-5,
-                accountant="rdp",
-                noise_seed=7,
-                optimizers=(torch.optim.SGD(params, lr=0.1), None),
+                model=model, args=a, train_dataset=records(), optimizers=(torch.optim.SGD(params, lr=0.1), None)
             ).train(resume_from_checkpoint=resume_from)
         return [d.clone() for d in draws]
 

@@ -88,17 +88,11 @@ def head(kind: str) -> tuple[nn.Module, Dataset]:
     return model, data
 
 
-def dp_trainer(tmp_path, kind: str, **kw) -> DPTrainer:
+def dp_trainer(tmp_path, kind: str, criterion=None, **kw) -> DPTrainer:
     model, data = head(kind)
-    return DPTrainer(
-        model=model,
-        args=args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=1),
-        train_dataset=data,
-        target_delta=1e-5,
-        noise_multiplier=1.0,
-        accountant="rdp",
-        **kw,
-    )
+    run = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=1)
+    a = args(tmp_path, **run, target_epsilon=None, noise_multiplier=1.0, **kw)
+    return DPTrainer(model=model, args=a, train_dataset=data, criterion=criterion)
 
 
 @pytest.mark.parametrize("kind", ["multi_label", "regression", "float_labels"])
@@ -133,12 +127,6 @@ def test_ghost_clipping_keeps_single_label_classification(tmp_path):
     model = tiny_bert(num_labels=2)
     model.config.problem_type = "single_label_classification"
     data = Records(torch.arange(16) % 2)
-    t = DPTrainer(
-        model=model,
-        args=args(tmp_path),
-        train_dataset=data,
-        target_delta=1e-5,
-        noise_multiplier=1.0,
-        grad_sample_mode="ghost",
-    )
-    assert t.grad_sample_mode == "ghost"
+    a = args(tmp_path, target_epsilon=None, noise_multiplier=1.0, accountant="prv", grad_sample_mode="ghost")
+    t = DPTrainer(model=model, args=a, train_dataset=data)
+    assert t.args.grad_sample_mode == "ghost"

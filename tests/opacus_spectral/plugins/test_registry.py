@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from opacus_spectral.errors import DenoiserBuildError
 from opacus_spectral.plugins import ParameterRole
 from opacus_spectral.plugins.registry import Registry, create_denoisers
 from opacus_spectral.step.parameters import describe_parameters
@@ -119,6 +120,30 @@ def test_unknown_name_mentions_broken_plugins(site):
             r".*failed to load: badsig, broken, dup, raising",
         ):
             reg.create("no_such_denoiser")
+
+
+def test_a_misspelt_name_or_keyword_gets_the_closest_valid_one():
+    reg = Registry()
+    with pytest.raises(ValueError, match=r"unknown denoiser 'lowpas'; available: .*lowpass.*Did you mean 'lowpass'\?"):
+        reg.create("lowpas")
+    with pytest.raises(
+        DenoiserBuildError, match=r"no keyword 'kernal'; did you mean 'kernel'\? Its keywords: .*"
+    ) as err:
+        reg.create(("lowpass", {"kernal": "binomial5"}))
+    assert all(k in str(err.value) for k in ("kernel_width", "role_axes", "weight_axis"))
+    # rmt takes its settings' fields as keywords too: they are listed with its own
+    with pytest.raises(DenoiserBuildError, match=r"no keyword 'gat'; did you mean 'gate'\?") as err:
+        reg.create(("rmt_paper", {"gat": "kappa"}))
+    assert all(k in str(err.value) for k in ("false_alarm", "max_batch", "norm_correction", "settings"))
+
+
+def test_a_plugin_factorys_own_signature_names_its_keywords(site):
+    reg = Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(DenoiserBuildError, match=r"'add_const'.*no keyword 'valeu'; did you mean 'value'\? Its"):
+            reg.create(("add_const", {"valeu": 2.0}))
+        assert reg.create(("add_const", {"value": 2.0})).value == 2.0
 
 
 def test_role_plugin_is_consulted(site):

@@ -15,6 +15,7 @@ import torch
 from engine_helpers import Identity, Recorder, loader, mlp
 from opacus_spectral.denoisers import LowPassDenoiser, RMTDenoiser
 from opacus_spectral.errors import DenoiserError, NonFiniteGradientError, ReproducibleNoiseWarning
+from opacus_spectral.step.selection import Selector
 from torch import nn
 
 from opacus_spectral import Denoiser, PrivacyEngine
@@ -256,6 +257,32 @@ def test_a_selector_that_matches_no_parameter_warns_once_at_installation():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         _private([("rmt", {"params": ["0."]})])  # matches: silent
+
+
+CONSULTED: list[str] = []
+
+
+class _CountingSelector(Selector):
+    def matches(self, name: str, role: str) -> bool:
+        CONSULTED.append(name)
+        return super().matches(name, role)
+
+
+def test_the_pipeline_alone_selects_once_per_record_and_step():
+    """Selection has one owner: the pipeline consults a denoiser's selector once per record per step, and the denoiser
+    (and the noise bookkeeping) work on what it was handed. Before: up to three times more (rmt twice, noise model)."""
+    rmt = RMTDenoiser()
+    rmt.selector = _CountingSelector(roles=frozenset({"weight"}))
+
+    def undeclared(grads):  # declares no output noise: rmt skips its records (and the pipeline says so, once)
+        return None
+
+    engine, gsm, dp_opt, dl, _ = _private([undeclared, rmt])
+    CONSULTED.clear()
+    with pytest.warns(RuntimeWarning, match=r"'rmt' acts only on isotropic noise.*2 parameter\(s\) it selects"):
+        _steps(gsm, dp_opt, dl, 1)
+    assert sorted(CONSULTED) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert engine.post_hooks.diagnostics.last.denoisers["rmt"]["skipped_noise"] == 2
 
 
 # ------------------------------------------------------------------------------------- checkpoints

@@ -8,6 +8,7 @@ import pytest
 import torch
 from engine_helpers import Recorder, loader, mlp
 from opacus.utils.batch_memory_manager import BatchMemoryManager
+from opacus_spectral.errors import DoctorWarning
 from opacus_spectral.step import PostHookHandle, StepDiagnostics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -73,7 +74,7 @@ def test_inner_optimizer_stepped_without_noise_is_not_a_logical_step() -> None:
     handle.add_step_callback(lambda i, d: calls.append(i))
     x, y = next(iter(dl))
     nn.functional.mse_loss(gsm(x), y).backward()
-    with pytest.warns(RuntimeWarning, match="without Opacus adding noise"):
+    with pytest.warns(DoctorWarning, match="without a noisy, accounted DP step"):
         dp_opt.original_optimizer.step()  # bypasses Opacus: no noise, no logical step
     assert calls == [] and handle.logical_steps == 0
     _step(gsm, dp_opt, x, y)  # a real DP step afterwards is step 0

@@ -246,7 +246,7 @@ def test_dp_optimizer_without_opacus_spectral_gives_install_hint(monkeypatch) ->
         max_grad_norm=1.0,
     )
     monkeypatch.setitem(sys.modules, "opacus_spectral", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"peft-lalora\[dp\]"):
+    with pytest.raises(ImportError, match=r"peft_lalora\[dp\]"):
         AlternationController(model, dp_opt)
 
 
@@ -332,3 +332,47 @@ def test_factor_frozen_before_make_private_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="must be trainable when make_private is called"):
         AlternationController(model, dp_opt)
+
+
+def _loader(seed: int) -> DataLoader:
+    x, y = batch(16, seed=seed)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def _one_step(private, dp_opt, dl) -> None:
+    x, y = next(iter(dl))
+    dp_opt.zero_grad()
+    nn.functional.cross_entropy(private(x).logits, y).backward()
+    dp_opt.step()
+
+
+def test_a_controller_created_before_make_private_raises_at_the_first_dp_step_before_the_update() -> None:
+    """Before: a doctor warning, then Opacus' "Per sample gradient is not initialized" one step later."""
+    model = build("bert", alternation="step")
+    model.train()
+    opt = torch.optim.AdamW(peft_lalora.lalora_param_groups(model, 1e-2))
+    AlternationController(model, opt)  # wrong order: on the torch optimizer, A frozen before make_private
+    private, dp_opt, dl = opacus_spectral.PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=opt, data_loader=_loader(12), noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    before = factor_snapshot(model)
+    with pytest.raises(RuntimeError, match=r"before make_private.*AlternationController\(model, dp_optimizer\)"):
+        _one_step(private, dp_opt, dl)
+    assert changed_factors(before, model) == ""  # refused before the inner optimizer moved anything
+
+
+def test_a_controller_refuses_a_dp_optimizer_of_vanilla_opacus_naming_the_fix() -> None:
+    """Upstream Opacus cannot freeze a factor between steps ("No activations detected" at the next backward)."""
+    import opacus
+
+    model = build("bert", alternation="step")
+    model.train()
+    opt = torch.optim.AdamW(peft_lalora.lalora_param_groups(model, 1e-2))
+    private, dp_opt, dl = opacus.PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=opt, data_loader=_loader(13), noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    with pytest.raises(ValueError, match=r"opacus\.PrivacyEngine.*opacus_spectral\.PrivacyEngine\(\)"):
+        AlternationController(model, dp_opt)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # nothing frozen
+    AlternationController(model, dp_opt, mode="none")  # nothing toggles: vanilla Opacus trains it
+    _one_step(private, dp_opt, dl)

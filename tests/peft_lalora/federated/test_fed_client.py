@@ -238,7 +238,7 @@ def test_history_helpers():
     assert epsilon_from_history([], DELTA) == 0.0
     acc = RDPAccountant()
     acc.history = [(1.1, 0.05, 40)]
-    assert epsilon_from_history([(1.1, 0.05, 40)], DELTA) == pytest.approx(acc.get_epsilon(DELTA), rel=1e-12)
+    assert epsilon_from_history([(1.1, 0.05, 40)], DELTA, "rdp") == pytest.approx(acc.get_epsilon(DELTA), rel=1e-12)
     with pytest.raises(ValueError, match="sample_rate"):
         normalize_history([(1.0, 0.0, 1)])
     with pytest.raises(ValueError, match="delta"):

@@ -38,11 +38,11 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import strategy as flower_strategy
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-    strat = flower_app.LALoraStrategy(_server(max_update_norm=1e3), flower_app.assign_partitions([77, 12], 2))
+    strat = flower_strategy.LALoraStrategy(_server(max_update_norm=1e3), flower_strategy.assign_partitions([77, 12], 2))
     sent = list(strat.configure_train(1, ArrayRecord(G0), ConfigRecord(), grid=None))
     return strat, {m.metadata.dst_node_id: m for m in sent}
 
@@ -144,7 +144,7 @@ def test_a_node_reports_a_data_error_as_its_category_and_keeps_the_detail_in_its
     from fed_support import user_model_and_data
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import client_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -160,9 +160,9 @@ def test_a_node_reports_a_data_error_as_its_category_and_keeps_the_detail_in_its
     content = RecordDict({"arrays": ArrayRecord(G0), "config": config})
     msg = Message(content, dst_node_id=5, message_type=MessageType.TRAIN)
     logged = []
-    monkeypatch.setattr(flower_app, "_log", lambda level, m, *a, **k: logged.append((m % a, k.get("exc_info"))))
-    flower_app._CLIENTS.clear()
-    reply = flower_app.client_app(msg, ctx)
+    monkeypatch.setattr(client_app, "_log", lambda level, m, *a, **k: logged.append((m % a, k.get("exc_info"))))
+    client_app._CLIENTS.clear()
+    reply = client_app.app(msg, ctx)
     assert reply.has_error() and reply.error.reason == "data_error"  # before: the InputError, path and cell included
     (line, exc), *_ = [x for x in logged if "data_error" in x[0]]
     assert SECRETS[0] in str(exc) and str(own) in str(exc)  # the detail stays in the node's log
@@ -176,7 +176,7 @@ def test_a_node_whose_round_fails_after_a_dp_step_keeps_that_step_and_the_consum
     from flwr.supercore.task_identity import TaskIdentity
     from peft_lalora.federated.builders import build_evaluator, build_task
     from peft_lalora.federated.client.dp_client import DPClient
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import client_app
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -191,8 +191,8 @@ def test_a_node_whose_round_fails_after_a_dp_step_keeps_that_step_and_the_consum
     g0 = build_evaluator(cfg, build_task(cfg)).initial_state()
     ctx = Context(run_id=7, node_id=5, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
     content = RecordDict({"arrays": ArrayRecord(g0), "config": ConfigRecord({"server-round": 1, "partition-id": 0})})
-    flower_app._CLIENTS.clear()
-    reply = flower_app.client_app(Message(content, dst_node_id=5, message_type=MessageType.TRAIN), ctx)
+    client_app._CLIENTS.clear()
+    reply = client_app.app(Message(content, dst_node_id=5, message_type=MessageType.TRAIN), ctx)
     assert reply.has_error() and reply.error.reason == "training_error"
     saved = ctx.state.config_records["lalora-client"]
     assert list(saved["dp-steps"]) == [1] and saved["last-round"] == 1
@@ -209,7 +209,7 @@ def test_a_charge_is_withdrawn_only_with_proof_that_no_dp_step_ran():
     assert ledger.clients[0].charged == [] and ledger.epsilon(0) == 0.0
     assert ledger.report()["clients"]["0"]["withdrawn_steps"] == 3
     assert ledger.clients[1].charged == [(1.0, 0.25, 3)]
-    assert ledger.epsilon(1) == pytest.approx(epsilon_from_history([(1.0, 0.25, 3)], DELTA), rel=1e-12)
+    assert ledger.epsilon(1) == pytest.approx(epsilon_from_history([(1.0, 0.25, 3)], DELTA, "rdp"), rel=1e-12)
     with pytest.raises(ValueError, match="more than was charged"):
         ledger.withdraw(1, 1.0, 0.25, 4)
 
@@ -272,7 +272,7 @@ def test_delta_at_or_above_one_over_n_is_refused_naming_n():
 
 
 def test_no_negative_epsilon_in_the_ledger():
-    assert epsilon_from_history([(2.0, 0.01, 1)], 0.05) == 0.0  # before: -0.051 (RDP), i.e. (0, δ)-DP
+    assert epsilon_from_history([(2.0, 0.01, 1)], 0.05, "rdp") == 0.0  # before: -0.051 (RDP), i.e. (0, δ)-DP
     ledger = PrivacyLedger(0.05)
     ledger.charge("a", 2.0, 0.01, 1)
     assert ledger.epsilon("a") == 0.0 and ledger.report()["max_epsilon"] == 0.0

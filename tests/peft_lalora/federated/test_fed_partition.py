@@ -9,6 +9,7 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("flwr_datasets")
 
 from peft_lalora.federated.data.partition import (  # noqa: E402
+    PartitionError,
     dirichlet_partition,
     group_partition,
     iid_partition,
@@ -129,11 +130,11 @@ def test_bad_arguments():
         dirichlet_partition(ds, 3, 0.0)
     with pytest.raises(ValueError, match="num_clients"):
         iid_partition(ds, 0)
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(PartitionError, match="num_clients=51: more clients than the 50 training rows"):
         iid_partition(ds, 51)
     with pytest.raises(ValueError, match="column"):
         group_partition(ds, "nope", 2)
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(PartitionError, match="distinct"):
         group_partition(ds, "movie", 41)
     with pytest.raises(ValueError, match="scheme"):
         partition_dataset(ds, 2, scheme="pathological")

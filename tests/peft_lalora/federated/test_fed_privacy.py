@@ -72,14 +72,14 @@ class _Loopback:
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout=None):
-        from peft_lalora.federated.flower import app as flower_app
+        from peft_lalora.federated.flower import client_app
 
         out = []
         for m in messages:
-            flower_app._CLIENTS.clear()
+            client_app._CLIENTS.clear()
             ROLE["now"] = "client"
             try:
-                out.append(flower_app.client_app(m, self.contexts[m.metadata.dst_node_id]))
+                out.append(client_app.app(m, self.contexts[m.metadata.dst_node_id]))
             finally:
                 ROLE["now"] = "server"
         self.replies.extend(out)
@@ -92,7 +92,7 @@ def _run_server_app(tmp_path, monkeypatch, cfg):
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
     from peft_lalora.federated.data.task import build_task
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import server_app
     from peft_lalora.federated.server.plan import planned_config
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -116,9 +116,7 @@ def _run_server_app(tmp_path, monkeypatch, cfg):
     grid = grid_cls(contexts)
     ROLE["now"] = "server"
     try:
-        flower_app.server_app(
-            grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-        )
+        server_app.app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
     finally:
         ROLE["now"] = "operator"
     return grid, json.loads((tmp_path / "r.json").read_text()), torch.load(tmp_path / "s.pt")
@@ -157,7 +155,7 @@ def test_server_app_without_a_plan_is_refused(tmp_path, monkeypatch):
 
 def test_the_plan_can_name_which_node_trains_which_partition():
     pytest.importorskip("flwr")
-    from peft_lalora.federated.flower.app import assign_partitions
+    from peft_lalora.federated.flower.strategy import assign_partitions
 
     cfg = FederationConfig(**{**CFG, "partition_nodes": "905,17,342"})
     assert assign_partitions([17, 342, 905, 1000], 3, cfg.planned_nodes()) == {0: 905, 1: 17, 2: 342}
@@ -233,7 +231,7 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import strategy as flower_strategy
     from peft_lalora.federated.server.rounds import FederationServer
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -251,7 +249,7 @@ def strategy(monkeypatch):
         )  # synthetic +1 updates
         g0 = {"a": torch.zeros(2, 3), "b": torch.ones(3)}
         server = FederationServer(cfg, g0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
-        strat = flower_app.LALoraStrategy(server, {0: 12, 1: 77})
+        strat = flower_strategy.LALoraStrategy(server, {0: 12, 1: 77})
         sent = {m.metadata.dst_node_id: m for m in strat.configure_train(1, ArrayRecord(g0), ConfigRecord(), None)}
         return strat, sent, g0
 
@@ -349,7 +347,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch):
     pytest.importorskip("flwr")
     from fed_support import user_model_and_data
     from flwr.app import Context, RecordDict
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import client_app
 
     model_dir, csv = user_model_and_data(tmp_path, "csv")
     own = tmp_path / "node.csv"
@@ -365,10 +363,10 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch):
         partition_sizes="25,24",
     )
     ctx = Context(run_id=1, node_id=5, node_config={"data": str(own)}, state=RecordDict(), run_config={})
-    _, rows = flower_app._local_data(cfg, ctx, 0)
+    _, rows = client_app._local_data(cfg, ctx, 0)
     assert len(rows) == 25
     with pytest.raises(ValueError, match="does not have the 24 examples the plan"):
-        flower_app._local_data(cfg, ctx, 1)
+        client_app._local_data(cfg, ctx, 1)
     shared = Context(run_id=1, node_id=6, node_config={}, state=RecordDict(), run_config={})
-    _, rows = flower_app._local_data(cfg, shared, 1)  # 48 training rows of the shared source (12 held out), iid
+    _, rows = client_app._local_data(cfg, shared, 1)  # 48 training rows of the shared source (12 held out), iid
     assert len(rows) == 24

@@ -124,7 +124,7 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import client_app, server_app
 
     # what a real ServerApp process learns from its SuperLink before running the app
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -157,9 +157,9 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
         def send_and_receive(self, messages, *, timeout=None):
             replies = []
             for m in messages:
-                flower_app._CLIENTS.clear()  # a fresh ClientApp "process" per message
+                client_app._CLIENTS.clear()  # a fresh ClientApp "process" per message
                 self.sent.append((m.metadata.message_type, m.metadata.dst_node_id))
-                replies.append(flower_app.client_app(m, self.contexts[m.metadata.dst_node_id]))
+                replies.append(client_app.app(m, self.contexts[m.metadata.dst_node_id]))
             return replies
 
     torch.set_num_threads(1)
@@ -172,7 +172,7 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
         n: Context(run_id=7, node_id=n, node_config={}, state=RecordDict(), run_config=run_config) for n in node_ids
     }
     grid = LoopbackGrid(contexts)
-    flower_app.server_app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
+    server_app.app(grid, Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
     sim = run_simulation(cfg, progress=False)
     final = torch.load(tmp_path / "s.pt")
     assert_states_equal(final, sim.state)
@@ -188,13 +188,13 @@ def test_flower_apps_on_a_loopback_grid_with_partial_sampling(tmp_path, monkeypa
     # replay protection survives the per-message rebuild: the node's context remembers its last round
     n_last = trains[-1]
     assert contexts[n_last].state.config_records["lalora-client"]["last-round"] == cfg.rounds
-    replay = _train_message(flower_app, final, cfg.rounds, n_last, partition=pids[n_last])
-    flower_app._CLIENTS.clear()
-    refused = flower_app.client_app(replay, contexts[n_last])  # an error reply naming only the category
+    replay = _train_message(final, cfg.rounds, n_last, partition=pids[n_last])
+    client_app._CLIENTS.clear()
+    refused = client_app.app(replay, contexts[n_last])  # an error reply naming only the category
     assert refused.has_error() and refused.error.reason == "replayed_round"
 
 
-def _train_message(flower_app, state, server_round, node, partition=None):
+def _train_message(state, server_round, node, partition=None):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
     pid = node - 1 if partition is None else partition
@@ -209,7 +209,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import strategy as flower_strategy
     from peft_lalora.federated.server.rounds import FederationServer
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -218,7 +218,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
     g0 = {"m.lora_A.w": torch.zeros(2, 3), "m.lora_B.w": torch.ones(3, 2)}
     server = FederationServer(cfg, g0, sizes=[10, 10, 10], privacy={p: (1.0, 0.1) for p in range(3)})
     ledger = server.ledger
-    strategy = flower_app.LALoraStrategy(server, {0: 1, 1: 2, 2: 3})
+    strategy = flower_strategy.LALoraStrategy(server, {0: 1, 1: 2, 2: 3})
     strategy.configure_train(1, ArrayRecord(g0), ConfigRecord(), grid=None)
 
     def reply(node, state, pid, steps=2, **drop):
@@ -233,11 +233,11 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
         }
         metrics = {k: v for k, v in metrics.items() if k not in drop}
         content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
-        return Message(content, reply_to=_train_message(flower_app, g0, 1, node))
+        return Message(content, reply_to=_train_message(g0, 1, node))
 
     nan = {k: torch.full_like(v, float("nan")) for k, v in g0.items()}
     bad = [
-        Message(Error(code=0, reason="client crashed"), reply_to=_train_message(flower_app, g0, 1, 1)),
+        Message(Error(code=0, reason="client crashed"), reply_to=_train_message(g0, 1, 1)),
         reply(2, g0, 1, **{"dp-steps": None}),
         reply(3, nan, 2),
     ]
@@ -263,7 +263,7 @@ def test_flower_strategy_survives_a_round_with_no_valid_reply(monkeypatch):
 def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     pytest.importorskip("flwr")
     from flwr.common.config import validate_config
-    from peft_lalora.federated.flower.app_config import APP_MODULE, write_flower_app
+    from peft_lalora.federated.flower.app_config import write_flower_app
 
     try:
         import tomllib
@@ -278,5 +278,8 @@ def test_written_flower_app_is_valid_and_round_trips_the_config(tmp_path):
     run_config = pyproject["tool"]["flwr"]["app"]["config"]
     assert FederationConfig.from_dict(run_config, extra_keys=["result-path"]) == cfg
     components = pyproject["tool"]["flwr"]["app"]["components"]
-    assert components == {"serverapp": f"{APP_MODULE}:server_app", "clientapp": f"{APP_MODULE}:client_app"}
-    assert APP_MODULE == "peft_lalora.federated.flower.app" and not list(app.glob("*.py"))  # imported, not copied
+    assert components == {  # Flower's app shape, imported from the installed package, not copied
+        "serverapp": "peft_lalora.federated.flower.server_app:app",
+        "clientapp": "peft_lalora.federated.flower.client_app:app",
+    }
+    assert not list(app.glob("*.py"))

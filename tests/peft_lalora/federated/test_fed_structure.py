@@ -97,7 +97,9 @@ def test_the_config_imports_none_of_its_builders():
         "server.rounds",
         "simulation",
         "data.partition",
-        "flower.app",
+        "flower.client_app",
+        "flower.server_app",
+        "flower.strategy",
         "server.plan",
         "server.evaluate",
     )

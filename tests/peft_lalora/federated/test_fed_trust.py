@@ -38,7 +38,7 @@ def strategy(monkeypatch):
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import strategy as flower_strategy
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -50,7 +50,7 @@ def strategy(monkeypatch):
         task=TINY, num_clients=2, local_steps=3, epsilon=0, noise_multiplier=1.0, max_update_norm=1e3
     )
     server = FederationServer(cfg, G0, sizes=[30, 10], privacy={0: (1.0, 0.1), 1: (1.0, 0.25)})
-    strat = flower_app.LALoraStrategy(server, flower_app.assign_partitions([77, 12], 2))
+    strat = flower_strategy.LALoraStrategy(server, flower_strategy.assign_partitions([77, 12], 2))
     strat.ledger = server.ledger
     sent = list(strat.configure_train(1, ArrayRecord(G0), ConfigRecord(), grid=None))
     return strat, {m.metadata.dst_node_id: m for m in sent}
@@ -94,8 +94,8 @@ def test_a_node_claiming_another_partition_and_1e9_examples_gets_nothing(strateg
     reasons = " | ".join(r["reason"] for r in strat.server.rounds[-1].rejected)
     assert "claims partition 0 but was assigned partition 1" in reasons
     # the honest client's ε is its own; the liar's account cannot go below what the server charged it
-    assert strat.ledger.epsilon(0) == pytest.approx(epsilon_from_history([(1.0, 0.1, 3)], DELTA), rel=1e-12)
-    assert strat.ledger.epsilon(1) == pytest.approx(epsilon_from_history([(1.0, 0.25, 3)], DELTA), rel=1e-12)
+    assert strat.ledger.epsilon(0) == pytest.approx(epsilon_from_history([(1.0, 0.1, 3)], DELTA, "rdp"), rel=1e-12)
+    assert strat.ledger.epsilon(1) == pytest.approx(epsilon_from_history([(1.0, 0.25, 3)], DELTA, "rdp"), rel=1e-12)
 
 
 def test_unknown_and_duplicate_senders_are_rejected_and_a_claimed_example_count_is_ignored(strategy):
@@ -124,7 +124,8 @@ def test_a_node_configured_for_another_partition_refuses_the_assignment(monkeypa
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
-    from peft_lalora.federated.flower import app as flower_app
+    from peft_lalora.federated.flower import client_app
+    from peft_lalora.federated.flower import strategy as flower_strategy
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
@@ -132,9 +133,9 @@ def test_a_node_configured_for_another_partition_refuses_the_assignment(monkeypa
     ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config=cfg.to_dict())
     content = RecordDict({"arrays": ArrayRecord(G0), "config": ConfigRecord({"server-round": 1, "partition-id": 0})})
     with pytest.raises(ValueError, match="assigned partition 0 but this SuperNode is configured for partition-id=1"):
-        flower_app._assigned_partition(Message(content, dst_node_id=5, message_type=MessageType.TRAIN), ctx)
+        client_app._assigned_partition(Message(content, dst_node_id=5, message_type=MessageType.TRAIN), ctx)
     with pytest.raises(ValueError, match="3 SuperNodes are connected but the run has 2 partitions"):
-        flower_app.assign_partitions([1, 2, 3], 2)
+        flower_strategy.assign_partitions([1, 2, 3], 2)
 
 
 # ---------------------------------------------------------------------------------------------- fedavg bounds
@@ -182,7 +183,7 @@ def test_trimmed_mean_keeps_every_coordinate_within_the_honest_range():
 # ---------------------------------------------------------------------------------------------- ledger
 def test_ledger_accumulates_a_reset_accountant_and_the_server_charge_is_a_floor():
     sigma, q = 1.1, 0.1
-    true_eps = epsilon_from_history([(sigma, q, 30)], DELTA)
+    true_eps = epsilon_from_history([(sigma, q, 30)], DELTA, "rdp")
     # the client's accountant was reset after round 1 (10 steps) and then ran 20 more: it reports 20
     reports_only = PrivacyLedger(DELTA)
     reports_only.record(0, [(sigma, q, 10)])
@@ -197,7 +198,7 @@ def test_ledger_accumulates_a_reset_accountant_and_the_server_charge_is_a_floor(
     ledger.record(0, [(sigma, q, 12)])  # reset after round 1, then 12 steps: reports say 12 in all
     assert ledger.clients[0].epsilon_reported < true_eps
     # ... but the server asked for 20 steps, so ε is at least that of 20 (before the fix it read the 12-step ε)
-    assert ledger.epsilon(0) == pytest.approx(epsilon_from_history([(sigma, q, 20)], DELTA), rel=1e-12)
+    assert ledger.epsilon(0) == pytest.approx(epsilon_from_history([(sigma, q, 20)], DELTA, "rdp"), rel=1e-12)
     assert ledger.report()["clients"]["0"]["charged_steps"] == 20
 
 
@@ -246,7 +247,7 @@ def test_a_failing_client_does_not_abort_the_run_or_lose_the_rounds_spend(monkey
     assert c1["steps"] == 5  # 2 + the 1 step before the crash + 2
     assert c1["charged_steps"] == 6  # the server asked for 2 steps in each of the 3 rounds
     (sigma,), (q,) = c1["noise_multipliers"], c1["sample_rates"]
-    assert c1["epsilon"] == pytest.approx(epsilon_from_history([(sigma, q, 6)], DELTA), rel=1e-12)
+    assert c1["epsilon"] == pytest.approx(epsilon_from_history([(sigma, q, 6)], DELTA, "rdp"), rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- config

@@ -1,1 +1,1 @@
-"""The benchmark commands (``dp-bench <command>``); each is a thin caller of the harness modules."""
+"""The benchmark commands (``dp-bench <command>``); each is a thin caller of dp-bench's modules."""

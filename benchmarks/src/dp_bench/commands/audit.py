@@ -24,11 +24,12 @@ canaries) — for every correct engine, does any run's lower bound exceed the ac
 caught — written to ``docs/results/audit_fdp.json`` (≈ 4 min)::
 
     nice -n 5 dp-bench audit --experiment fdp-validity
+
+``--replot`` (with either experiment): the tables and the plot again from its JSON.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,8 +44,9 @@ from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, available_denoisers
 
-from ..config import as_json, command_line, opt, parse_config
-from ..meta import RESULTS, machine, quiet_warnings, versions
+from .. import runner
+from ..config import opt, parse_config, start
+from ..meta import RESULTS
 from ..task import fashion_mnist_task
 from ..train import evaluate, run_dp
 from ..vision import build
@@ -101,6 +103,7 @@ class Config:
     fv_simulated: int = opt(500, "fdp-validity: draws of ideal μ-GDP canaries (scores μ·S + N(0, 1)); 0: none")
     fv_out: Path = opt(RESULTS / "audit_fdp.json", "fdp-validity: result JSON")
     fv_plot: Path = opt(RESULTS / "audit_fdp.png", "fdp-validity: result plot (PNG)")
+    replot: bool = opt(False, "only the tables and the plot from the experiment's JSON")
 
     def validate(self) -> None:
         unknown = [m for m in [*self.methods, *self.fv_methods] if m not in METHODS]
@@ -172,7 +175,7 @@ def train(
     delta: float = 1e-5,
 ) -> dict[str, Any]:
     """``steps`` DP-SGD steps (Adam, PRV accountant) of ``method`` (a denoiser list of :data:`METHODS` or a fault)
-    through the harness's one DP loop (:func:`~dp_bench.train.run_dp`, paired noise: ``noise_seed = seed + 1``);
+    through dp-bench's one DP loop (:func:`~dp_bench.train.run_dp`, paired noise: ``noise_seed = seed + 1``);
     returns the wrapped model, the gradient canaries (if ``white_box``), the accountant's ε at ``delta`` and the
     training time."""
     fault = None if method in METHODS else parse_fault(method)
@@ -495,12 +498,62 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def audit_tables(res: dict[str, Any]) -> str:
+    """ε_lower (SNJ, and f-DP for the white-box canaries) beside the accountant's ε, per method and fault."""
+    lines = []
+    for part in ("white_box", "black_box"):
+        rows = res["audit"].get(part) or []
+        if not rows:
+            continue
+        lines += [
+            f"#### {part.replace('_', '-')}",
+            "",
+            "| method | kind | ε_lower (SNJ) | ε_lower (f-DP) | accountant's ε | above it | test accuracy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            fdp = f"{r['epsilon_lower_fdp']:.3f}" if "epsilon_lower_fdp" in r else "–"
+            above = r["above_accountant"] or r.get("above_accountant_fdp", False)
+            lines.append(
+                f"| {r['method']} | {r['kind']} | {r['epsilon_lower']:.3f} | {fdp} | {r['epsilon_accountant']:.3f} | "
+                f"{'yes' if above else 'no'} | {r['test_accuracy']:.3f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def validity_tables(res: dict[str, Any]) -> str:
+    """Per engine (and the simulated ideal canaries): runs whose ε_lower exceeded the claim, largest and median."""
+    fv = res["fdp_validity"]
+    lines = [
+        "| engine | kind | runs | above the claim (f-DP / SNJ) | largest ε_lower (f-DP / SNJ) | median (f-DP / SNJ) |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = [(m, s["kind"], s) for m, s in fv["summary"].items()]
+    rows += [(f"simulated {name}", "ideal", s) for name, s in fv.get("simulated", {}).items()]
+    for name, kind, s in rows:
+        lines.append(
+            f"| {name} | {kind} | {s['runs']} | {s['above_fdp']} / {s['above_snj']} | "
+            f"{s['max_epsilon_lower_fdp']:.3f} / {s['max_epsilon_lower_snj']:.3f} | "
+            f"{s['median_epsilon_lower_fdp']:.3f} / {s['median_epsilon_lower_snj']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+#: the runner's report protocol of each experiment
+REPORT = runner.Report(tables=audit_tables, plot=plot)
+VALIDITY_REPORT = runner.Report(tables=validity_tables, plot=plot_validity)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench audit", description=__doc__.split("\n")[0])
-    quiet_warnings()
-    torch.set_num_threads(cfg.threads)
+    cfg = parse_config(Config, argv, prog="dp-bench audit", description=__doc__)
+    if cfg.replot:
+        if cfg.experiment == "fdp-validity":
+            return runner.replot(cfg.fv_out, VALIDITY_REPORT, cfg.fv_plot)
+        return runner.replot(cfg.out, REPORT, cfg.plot)
+    header = start("audit", cfg, argv)
     if cfg.experiment == "fdp-validity":
-        return validity_main(cfg, argv)
+        return validity_main(cfg, header)
     task = fashion_mnist_task(val_size=cfg.val_size)
     have = available_denoisers()
     methods = [m for m in cfg.methods if all((h if isinstance(h, str) else h[0]) in have for h in METHODS[m])]
@@ -509,10 +562,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"skipped (denoiser not installed): {skipped}")
     t0 = time.perf_counter()
     res: dict[str, Any] = {
-        "command": command_line("audit", argv),
-        "config": as_json(cfg),
-        "versions": versions(),
-        "machine": machine(),
+        **header,
         "skipped_methods": skipped,
         "audit": {
             "white_box": white_box(cfg, task, [*methods, *cfg.faults]),
@@ -520,25 +570,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         },
     }
     res["seconds"] = time.perf_counter() - t0
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(res, indent=2))
-    plot(res, cfg.plot)
+    runner.write(res, REPORT, cfg.out, cfg.plot, indent=2)
     print(f"wrote {cfg.out} and {cfg.plot} ({res['seconds']:.0f} s)")
     return res
 
 
-def validity_main(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+def validity_main(cfg: Config, header: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    res: dict[str, Any] = {
-        "command": command_line("audit", argv),
-        "config": as_json(cfg),
-        "versions": versions(),
-        "machine": machine(),
-        "fdp_validity": fdp_validity(cfg),
-    }
+    res: dict[str, Any] = {**header, "fdp_validity": fdp_validity(cfg)}
     res["seconds"] = time.perf_counter() - t0
-    cfg.fv_out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.fv_out.write_text(json.dumps(res, indent=2))
-    plot_validity(res, cfg.fv_plot)
+    runner.write(res, VALIDITY_REPORT, cfg.fv_out, cfg.fv_plot, indent=2)
     print(f"wrote {cfg.fv_out} and {cfg.fv_plot} ({res['seconds']:.0f} s)")
     return res

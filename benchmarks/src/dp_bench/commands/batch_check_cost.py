@@ -6,11 +6,11 @@ time (it runs once, before the first step; a warm-up forward is paid before it, 
 the median time of the DP steps after the first, in one run.
 
     OMP_NUM_THREADS=2 dp-bench batch-check-cost
+    dp-bench batch-check-cost --replot    # the tables of docs/results/batch_check_cost.json
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from opacus_spectral.errors import BatchDependenceError
 
-from ..config import command_line, opt, parse_config
+from .. import runner
+from ..config import opt, parse_config, start
 from ..meta import RESULTS
 
 
@@ -34,6 +35,7 @@ class Config:
     records: int = opt(512, "training records")
     seed: int = opt(0, "seed of the classifier head and the LoRA initialization")
     out: Path = opt(RESULTS / "batch_check_cost.json", "result JSON")
+    replot: bool = opt(False, "only print the tables of --out")
 
 
 def _dataset(tokenizer: Any, n: int) -> Any:
@@ -48,15 +50,9 @@ def _dataset(tokenizer: Any, n: int) -> Any:
 
 
 def measure(side: str, cfg: Config) -> dict[str, Any]:
-    from opacus_spectral.hf.dp_trainer import DPTrainer
+    from opacus_spectral.hf import DPTrainer, DPTrainingArguments
     from peft import LoraConfig, get_peft_model
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        DataCollatorWithPadding,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, TrainerCallback
 
     from ..data import minilm_path
 
@@ -81,7 +77,7 @@ def measure(side: str, cfg: Config) -> dict[str, Any]:
             self.times.append(time.perf_counter() - self.start)
 
     steps = Steps()
-    args = TrainingArguments(
+    args = DPTrainingArguments(
         tempfile.mkdtemp(),
         per_device_train_batch_size=cfg.batch,
         max_steps=cfg.steps,
@@ -89,6 +85,8 @@ def measure(side: str, cfg: Config) -> dict[str, Any]:
         report_to=[],
         save_strategy="no",
         disable_tqdm=True,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -97,8 +95,6 @@ def measure(side: str, cfg: Config) -> dict[str, Any]:
             args=args,
             train_dataset=data,
             data_collator=DataCollatorWithPadding(tokenizer),
-            noise_multiplier=1.0,
-            target_delta=1e-5,
             callbacks=[steps],
         )
         try:
@@ -116,23 +112,30 @@ def measure(side: str, cfg: Config) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench batch-check-cost", description=__doc__.split("\n")[0])
-    res = {
-        "command": "OMP_NUM_THREADS=2 " + command_line("batch-check-cost", argv),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "batch": cfg.batch,
-        "sides": {side: measure(side, cfg) for side in ("right", "left")},
-    }
-    step = res["sides"]["right"]["step_s_median"]
-    res["check_over_step"] = {side: r["check_s"] / step for side, r in res["sides"].items()}
-    for side, r in res["sides"].items():
+def tables(result: dict[str, Any]) -> str:
+    """One line per padding side: the check's time in DP steps, and whether the set-up was refused."""
+    lines = []
+    for side, r in result["sides"].items():
         outcome = "refused (BatchDependenceError)" if r["refused"] else "trained"
         fix = ", position_ids from the mask" if r["position_ids_from_mask"] else ""
-        print(
-            f"{side} padding: check {r['check_s']:.3f} s once = {res['check_over_step'][side]:.2f} DP steps; "
-            f"{outcome}{fix}"
+        lines.append(
+            f"{side} padding: check {r['check_s']:.3f} s once = {result['check_over_step'][side]:.2f} DP steps; "
+            f"{outcome}{fix}\n"
         )
-    cfg.out.write_text(json.dumps(res, indent=2))
-    return res
+    return "".join(lines)
+
+
+REPORT = runner.Report(tables=tables)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(Config, argv, prog="dp-bench batch-check-cost", description=__doc__)
+    if cfg.replot:
+        return runner.replot(cfg.out, REPORT, None)
+    res = {**start("batch-check-cost", cfg, argv), "torch": torch.__version__}
+    res["command"] = "OMP_NUM_THREADS=2 " + res["command"]
+    res.update(threads=torch.get_num_threads(), batch=cfg.batch)
+    res["sides"] = {side: measure(side, cfg) for side in ("right", "left")}
+    step = res["sides"]["right"]["step_s_median"]
+    res["check_over_step"] = {side: r["check_s"] / step for side, r in res["sides"].items()}
+    return runner.write(res, REPORT, cfg.out, indent=2)

@@ -28,8 +28,6 @@ Protocol:
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .. import runner
 from ..adapters import Trainable, build_top
 from ..analysis import crossing_step, eps_at_accuracy, fmt, gated_gain_stats, global_cos_stats, mean_std
-from ..config import as_json, command_line, opt, parse_config
-from ..meta import RESULTS, machine, quiet_warnings, versions
-from ..store import SharedResult, atomic_write_json
+from ..config import opt, parse_config, start
+from ..meta import RESULTS, machine
+from ..store import SharedResult
 from ..task import frozen_text_task
 from ..train import evaluate, run_dp
 
@@ -60,6 +57,7 @@ __all__ = [
     "replot",
     "run",
     "tables",
+    "upgrade",
 ]
 
 METHODS = ["dp-lora", "rmt", "lowpass", "rmt+lowpass", "doppler", "rmt+doppler"]
@@ -165,6 +163,14 @@ def record_key(record: dict[str, Any], lr: float) -> str:
     return run_key(record["method"], record["target_epsilon"], record["seed"], record.get("lr", lr))
 
 
+def upgrade(result: dict[str, Any]) -> dict[str, Any]:
+    """A stored result with its runs under the runner's one key format (:func:`run_key`): a JSON from before it
+    keyed them ``method|ε|seed`` and its records hold no learning rate (the configured ``--lr`` then)."""
+    lr = result["config"]["lr"]
+    result["runs"] = {record_key(r, lr): r for r in result["runs"].values()}
+    return result
+
+
 @dataclass
 class CentralizedSchedule:
     """No tuning here: every cell runs the configured ``--lr``."""
@@ -175,26 +181,22 @@ class CentralizedSchedule:
         return [self.lr]
 
 
-def new_result(args: Config, argv: Sequence[str] | None, task: Any, path: Path) -> dict[str, Any]:
-    """The stored runs (``--resume``) or none, with this invocation's command, configuration, data and machine."""
+def new_result(header: dict[str, Any], args: Config, task: Any, path: Path) -> dict[str, Any]:
+    """The stored runs (``--resume``, :func:`upgrade`: rekeyed) or none, with this invocation's ``header`` (command,
+    configuration, versions, machine: :func:`dp_bench.config.start`) and data."""
     n_train = len(task.train)
     result: dict[str, Any]
     if args.resume and path.is_file():
-        result = json.loads(path.read_text())
-        result["runs"] = {record_key(r, args.lr): r for r in result["runs"].values()}
-        atomic_write_json(path, result)  # stored under the one key format before any worker merges the file
+        result = runner.load(path, REPORT)
     else:
         if path.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
             path.replace(path.with_name(path.name + ".old"))
         result = {"runs": {}}
     result.update(
         {
-            "command": command_line("centralized", argv),
-            "config": as_json(args),
+            **header,
             "data": dict(task.info, train=n_train, test=len(task.test)),
             "sample_rate": args.batch_size / n_train,
-            "versions": versions(),
-            "machine": machine(),
         }
     )
     return result
@@ -253,20 +255,18 @@ def train_run(
 def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train the planned runs (:func:`planned_runs`) not yet in ``<out>/centralized.json``, saving it after each;
     then the analysis, the JSON and the plot."""
-    quiet_warnings()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    header = start("centralized", args, argv)
     t_start = time.perf_counter()
     task = frozen_text_task(
         args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
     )
     path = args.out / "centralized.json"
-    result = new_result(args, argv, task, path)
+    result = new_result(header, args, task, path)
     tr = Trainable.parse(args.trainable)
     eval_at = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     acc0: dict[int, float] = {}
     args.out.mkdir(parents=True, exist_ok=True)
-    store = SharedResult(path, result, wall=None)
+    store = SharedResult(path, result, wall=None, upgrade=upgrade)
 
     def over_budget() -> bool:
         if args.time_budget and time.perf_counter() - t_start > args.time_budget:
@@ -284,7 +284,7 @@ def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     runner.drive(store, plan, CentralizedSchedule(args.lr), train, desc="centralized grid", stop=over_budget)
     result["machine"]["loadavg_end"] = machine()["loadavg"]
     result["wall_seconds"] = time.perf_counter() - t_start
-    return runner.finish(result, sys.modules[__name__], args.out / "centralized.png", store.save)
+    return runner.finish(result, REPORT, args.out / "centralized.png", store.save)
 
 
 # ----------------------------------------------------------------------------------------------- analysis
@@ -483,7 +483,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def replot(path: Path, out: Path) -> Path:
     """Regenerate the analysis in the JSON and ``centralized.png`` from the stored runs (tables printed)."""
-    runner.replot(path, sys.modules[__name__], out / "centralized.png")
+    runner.replot(path, REPORT, out / "centralized.png")
     return out / "centralized.png"
 
 
@@ -555,8 +555,12 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+#: the runner's report protocol for this command (stored JSONs rekeyed on load: :func:`upgrade`)
+REPORT = runner.Report(tables=tables, plot=plot, analyze=analyze, upgrade=upgrade)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
-    args = parse_config(Config, argv, prog="dp-bench centralized", description=__doc__.split("\n")[0])
+    args = parse_config(Config, argv, prog="dp-bench centralized", description=__doc__)
     if args.replot:
         return replot(args.out / "centralized.json", args.out)
     result = run(args, argv)

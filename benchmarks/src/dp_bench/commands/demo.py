@@ -34,7 +34,6 @@ Writes ``<out>/demo.json`` (config, versions, per-step curves) and ``<out>/demo_
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -47,10 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import runner
 from ..adapters import Trainable, build_top
 from ..analysis import steps_to_reach
-from ..config import as_json, command_line, opt, parse_config
-from ..meta import RESULTS, quiet_warnings, versions
+from ..config import opt, parse_config, start
+from ..meta import RESULTS
 from ..task import FrozenTextTask, frozen_text_task
 from ..train import evaluate, run_dp
 
@@ -281,8 +281,8 @@ def pick_spectrum_param(arm: dict[str, Any], step: int) -> tuple[str | None, flo
     return best, gains.get(best)
 
 
-def plot_accuracy(arms: dict[str, dict[str, Any]], notes: dict[str, str | None], out: Path, title: str) -> Path:
-    """``<out>/demo_accuracy.png``: every arm's test accuracy curve, labelled with its note."""
+def plot_accuracy(arms: dict[str, dict[str, Any]], notes: dict[str, str | None], png: Path, title: str) -> None:
+    """``png`` (``demo_accuracy.png``): every arm's test accuracy curve, labelled with its note."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,15 +298,13 @@ def plot_accuracy(arms: dict[str, dict[str, Any]], notes: dict[str, str | None],
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p = out / "demo_accuracy.png"
-    fig.savefig(p, dpi=120)
+    fig.savefig(png, dpi=120)
     plt.close(fig)
-    return p
 
 
-def plot_all(arms: dict[str, dict[str, Any]], out: Path, cfg: Config, what: str) -> dict[str, str]:
-    title = f"{what}: eps={cfg.epsilon}, B={cfg.batch_size}, {cfg.steps} steps"
-    paths = {"accuracy": str(plot_accuracy(arms, {k: a.get("note") for k, a in arms.items()}, out, title))}
+def plot_spectrum_of(arms: dict[str, dict[str, Any]], out: Path) -> dict[str, str]:
+    """``demo_spectrum.png`` (and its tensors) of the matrix the most active denoiser improved most; the paths."""
+    paths: dict[str, str] = {}
     denoised = [lbl for lbl, a in arms.items() if a["hooks"]]
     if not denoised:
         return paths
@@ -348,9 +346,7 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from opacus_spectral import noise_multiplier_for
 
-    quiet_warnings()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    header = start("demo", cfg, argv)
     t0, cpu0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()
     task = frozen_text_task(
         cfg.model,
@@ -385,15 +381,12 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     target = arms["dp-lora"]["accuracy"]
     for label, a in arms.items():
         summaries[label]["steps_to_baseline_final_accuracy"] = steps_to_reach(a["curve"], target)
-    print()
-    print(table(summaries, arms["dp-lora"]["train_seconds"], {k: a["note"] for k, a in arms.items()}))
     out = output_folder(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    plots = plot_all(arms, out, cfg, f"{info['model']} / {info['dataset'].split(' ')[0]}")
+    plots = {"accuracy": str(out / "demo_accuracy.png"), **plot_spectrum_of(arms, out)}
     wall = time.perf_counter() - t0
     result = {
-        "command": command_line("demo", argv),
-        "config": as_json(cfg),
+        **header,
         "out": str(out),
         "data": dict(info, train=n_train, test=n_test),
         "noise_multiplier": nm,
@@ -410,12 +403,12 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
             "loadavg_start": load0,
             "loadavg_end": os.getloadavg(),
         },
-        "versions": versions(),
         "summary": summaries,
         "plots": plots,
         "arms": {label: {k: v for k, v in a.items() if k != "recorded"} for label, a in arms.items()},
     }
-    (out / "demo.json").write_text(json.dumps(result, indent=1, default=float))
+    print()
+    runner.write(result, REPORT, out / "demo.json", out / "demo_accuracy.png", indent=1)
     pngs = ", ".join(v for k, v in plots.items() if k in ("accuracy", "spectrum"))
     print(
         f"\nwall time {wall:.0f}s (CPU {result['cpu_seconds']:.0f}s, load average {load0[0]:.1f} at start); "
@@ -433,34 +426,53 @@ def stored_notes(stored: dict[str, Any]) -> dict[str, str | None]:
     }
 
 
-def replot(cfg: Config) -> dict[str, Any]:
-    """The table and the accuracy plot of ``<out or docs/results>/demo.json`` (never rewritten), drawn into
-    ``--out``, docs/results (``--refresh-evidence``) or a fresh folder. Arms the JSON lacks are named."""
-    source = cfg.out if cfg.out is not None else RESULTS
-    stored = json.loads((source / "demo.json").read_text())
-    arms, notes = stored["arms"], stored_notes(stored)
-    print(table(stored["summary"], arms["dp-lora"]["train_seconds"], notes))
-    missing = [arm_label(h) for h in ([], *cfg.denoised_arms()) if arm_label(h) not in arms]
-    if missing:
-        print(f"not in {source / 'demo.json'} (rerun to add them): {', '.join(missing)}")
-    out = output_folder(cfg)
-    c, info = stored["config"], stored["data"]
+def upgrade(result: dict[str, Any]) -> dict[str, Any]:
+    """A stored demo.json with every arm's note (:func:`stored_notes`: a JSON from before arms had notes)."""
+    for label, note in stored_notes(result).items():
+        result["arms"][label]["note"] = note
+    return result
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The results table of a demo result (:func:`table`)."""
+    notes = {label: a.get("note") for label, a in result["arms"].items()}
+    return table(result["summary"], result["arms"]["dp-lora"]["train_seconds"], notes)
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """The accuracy plot of a demo result (:func:`plot_accuracy`)."""
+    c, info = result["config"], result["data"]
     title = (
         f"{info['model']} / {info['dataset'].split(' ')[0]}: eps={c['epsilon']}, B={c['batch_size']}, "
         f"{c['steps']} steps"
     )
-    png = plot_accuracy(arms, notes, out, title)
-    print(f"wrote {png}")
+    plot_accuracy(result["arms"], {label: a.get("note") for label, a in result["arms"].items()}, png, title)
+
+
+#: the runner's report protocol for this command
+REPORT = runner.Report(tables=tables, plot=plot, upgrade=upgrade)
+
+
+def replot(cfg: Config) -> dict[str, Any]:
+    """The table and the accuracy plot of ``<out or docs/results>/demo.json`` (never rewritten), drawn into
+    ``--out``, docs/results (``--refresh-evidence``) or a fresh folder. Arms the JSON lacks are named."""
+    source = cfg.out if cfg.out is not None else RESULTS
+    out = output_folder(cfg)
+    stored = runner.replot(source / "demo.json", REPORT, out / "demo_accuracy.png")
+    missing = [arm_label(h) for h in ([], *cfg.denoised_arms()) if arm_label(h) not in stored["arms"]]
+    if missing:
+        print(f"not in {source / 'demo.json'} (rerun to add them): {', '.join(missing)}")
+    print(f"wrote {out / 'demo_accuracy.png'}")
     return {
         "source": str(source / "demo.json"),
         "out": str(out),
         "summary": stored["summary"],
-        "notes": notes,
+        "notes": {label: a["note"] for label, a in stored["arms"].items()},
         "missing": missing,
-        "plots": {"accuracy": str(png)},
+        "plots": {"accuracy": str(out / "demo_accuracy.png")},
     }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench demo", description=__doc__.split("\n")[0])
+    cfg = parse_config(Config, argv, prog="dp-bench demo", description=__doc__)
     return replot(cfg) if cfg.replot else run(cfg, argv)

@@ -45,13 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from peft_lalora.federated.config import FederationConfig
 from peft_lalora.federated.data.task import Task, build_task
 
 from .. import runner
-from ..config import as_json, command_line, opt, parse_config, same_config
-from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..config import as_json, opt, parse_config, same_config, start
+from ..meta import RESULTS, machine, versions
 from ..probe import probe_federation
 from ..runner import Cell
 from ..store import SharedResult
@@ -69,6 +68,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "la-lora-nofilter": ("la-lora", "none"),
     "la-lora": ("la-lora", "binomial5"),
 }
+#: the result JSON's ``json.dumps`` options
+DUMPS = {"indent": 1, "allow_nan": True}
 #: options that may change between invocations of one grid (``--resume``)
 RESUMABLE = {"resume", "seeds", "methods", "epsilons", "progress", "threads", "out", "plot", "replot"}
 
@@ -171,11 +172,25 @@ def base_config(args: Config, seed: int, epsilon: float, method: str, lr: float,
     )
 
 
-def record_key(record: dict[str, Any]) -> str:
-    """A stored run's key (the runner's one format, ``phase|method|eps<ε>|s<seed>|lr<lr>``), from its record."""
+def record_key(record: dict[str, Any], lr: float | None = None) -> str:
+    """A stored run's key (the runner's one format, ``phase|method|eps<ε>|s<seed>|lr<lr>``), from its record;
+    ``lr``: the configured rate of a record from before records held theirs (and a phase: evaluation)."""
     return runner.run_key(
-        record["phase"], record["method"], eps=record["epsilon"], seed=record["seed"], lr=record["lr"]
+        record.get("phase", "eval"),
+        record["method"],
+        eps=record["epsilon"],
+        seed=record["seed"],
+        lr=record.get("lr", lr),
     )
+
+
+def upgrade(result: dict[str, Any]) -> dict[str, Any]:
+    """A stored grid with its runs keyed by :func:`record_key`: a JSON from before the one key format holds them as
+    a list (in the order they ran, which the dict keeps)."""
+    if isinstance(result.get("runs"), list):
+        lr = result.get("config", {}).get("lr")
+        result["runs"] = {record_key(r, lr): r for r in result["runs"]}
+    return result
 
 
 def one_run(args: Config, task: Task, phase: str, method: str, epsilon: float, seed: int, lr: float) -> dict[str, Any]:
@@ -250,24 +265,17 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
 class Grid:
     """The JSON of one grid, written after every run, and the tasks its runs share (built once each)."""
 
-    def __init__(self, args: Config, argv: Sequence[str] | None) -> None:
+    def __init__(self, args: Config, header: dict[str, Any]) -> None:
         self.args = args
-        config = as_json(args)
-        old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else None
-        if old is not None and not resumable(old["config"], config):
+        old = runner.load(args.out, REPORT) if args.resume and args.out.is_file() else None
+        if old is not None and not resumable(old["config"], header["config"]):
             raise SystemExit(f"--resume: {args.out} was made with a different configuration; use another --out")
         if old is None and args.out.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in
             args.out.replace(args.out.with_name(args.out.name + ".old"))
-        self.result: dict[str, Any] = {"runs": [], "lr_choice": {}, **(old or {})}
-        self.result.update(command=command_line("federated", argv), config=config)
+        self.result: dict[str, Any] = {"runs": {}, "lr_choice": {}, **(old or {})}
+        self.result.update(command=header["command"], config=header["config"])
         #: several workers may run the same --resume command at once (one per core): each run is claimed first
-        self.store = SharedResult(
-            args.out,
-            self.result,
-            dumps={"indent": 1, "allow_nan": True},
-            wall=None,
-            run_id=record_key,
-        )
+        self.store = SharedResult(args.out, self.result, dumps=DUMPS, wall=None, upgrade=upgrade)
         self.task: Task | None = None
         self.task_for: tuple[int, str] | None = None
 
@@ -335,9 +343,8 @@ class FederatedSchedule:
         if len(a.lr_grid) == 1:
             choice[method] = {"lr": a.lr_grid[0], "val_last3": {}, "tuned": False}
             return []
-        runs = {record_key(r): r for r in result["runs"]}
         last3 = functools.partial(report.metric, name="last3")
-        todo, best, tried = runner.tune_round(runs, cell, a.lr_grid, a.max_extensions, last3)
+        todo, best, tried = runner.tune_round(result["runs"], cell, a.lr_grid, a.max_extensions, last3)
         if best is not None:
             choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
         return todo
@@ -346,38 +353,37 @@ class FederatedSchedule:
 def borrow_lrs(grid: Grid) -> None:
     """``--lr-from``: the lr choice of another grid (e.g. tuned on the Dirichlet split, used for the by-movie one),
     with its tuning runs copied in so that this JSON holds the evidence for every lr it used."""
-    src = json.loads(grid.args.lr_from.read_text())
+    src = runner.load(grid.args.lr_from, REPORT)
     missing = sorted(set(grid.args.methods) - set(src.get("lr_choice", {})))
     if missing:
         raise SystemExit(f"--lr-from {grid.args.lr_from} has no lr choice for {missing}")
     for m in grid.args.methods:
         grid.result["lr_choice"][m] = {**src["lr_choice"][m], "from": str(grid.args.lr_from)}
-    have = {json.dumps(r, sort_keys=True) for r in grid.result["runs"]}
-    grid.result["runs"] += [
-        r
-        for r in src["runs"]
-        if r.get("phase") == "tune" and r["method"] in grid.args.methods and json.dumps(r, sort_keys=True) not in have
-    ]
+    for key, r in src["runs"].items():
+        if r.get("phase") == "tune" and r["method"] in grid.args.methods:
+            grid.result["runs"].setdefault(key, r)
     grid.result["lr_from_command"] = src.get("command")
     grid.save()
 
 
 def run(args: Config, argv: Sequence[str] | None) -> dict[str, Any]:
-    quiet_warnings()
+    header = start("federated", args, argv)
     warnings.filterwarnings("ignore", message=".*reproducible_noise=True.*")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    grid = Grid(args, argv)
+    grid = Grid(args, header)
     t0 = time.perf_counter()
     if args.lr_from != Path(""):
         borrow_lrs(grid)
     runner.drive(grid.store, planned(args), FederatedSchedule(args), grid.train, desc="federated grid")
     grid.result["wall_s_this_invocation"] = time.perf_counter() - t0
-    return runner.finish(grid.result, report, args.plot, grid.save)
+    return runner.finish(grid.result, REPORT, args.plot, grid.save)
+
+
+#: the runner's report protocol for this command (stored JSONs rekeyed on load: :func:`upgrade`)
+REPORT = runner.Report(tables=report.tables, plot=report.plot, analyze=report.analyze, upgrade=upgrade)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_config(Config, argv, prog="dp-bench federated", description=__doc__.split("\n")[0])
+    args = parse_config(Config, argv, prog="dp-bench federated", description=__doc__)
     if args.replot:
-        return runner.replot(args.out, report, args.plot, dumps={"indent": 1, "allow_nan": True})
+        return runner.replot(args.out, REPORT, args.plot, dumps=DUMPS)
     return run(args, argv)

@@ -67,7 +67,7 @@ def metric(run: dict[str, Any], name: str) -> float:
 
 def eval_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The evaluation runs (test split); records without a phase come from before tuning existed."""
-    return [r for r in result["runs"] if r.get("phase", "eval") == "eval"]
+    return [r for r in result["runs"].values() if r.get("phase", "eval") == "eval"]
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -268,7 +268,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if comps:
             ax.legend(fontsize=8, loc="best")
     head = "fixed head" if cfg.get("head") == "fixed" else "trainable head"
-    clients = cfg.get("num_clients", cfg.get("clients"))  # "clients" in results written before the harness
+    clients = cfg.get("num_clients", cfg.get("clients"))  # "clients" in results written before dp-bench
     fig.suptitle(
         f"{cfg['model']}: {clients} clients, {cfg['partition']}"
         f"{' α=' + format(cfg['alpha'], 'g') if cfg['partition'] == 'dirichlet' else ''}, fraction "

@@ -42,8 +42,8 @@ Protocol (docs/results.md §7, written before the runs):
 from __future__ import annotations
 
 import functools
-import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,12 +55,13 @@ from torch import nn
 
 from .. import runner
 from ..adapters import Trainable, build_top
-from ..config import as_json, command_line, opt, parse_config, same_config
+from ..config import as_json, opt, parse_config, recorded_config, same_config, start
 from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task
-from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..meta import RESULTS
 from ..runner import Cell
 from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
+from ..timing import timed_steps
 from ..train import run_dp
 from ..vision import build
 from . import grid_report, lm_report
@@ -85,6 +86,8 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }
 REFERENCES = ("nonprivate", "clip-only")
+#: the settings only the causal-LM bed reads (recorded as None for the others: :func:`dp_bench.config.as_json`)
+SMOLLM2 = {"model": ("smollm2",)}
 LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
 
 
@@ -95,8 +98,14 @@ class Config:
         "mlp or cnn (Fashion-MNIST), minilm (Rotten Tomatoes), smollm2 (Shakespeare)",
         choices=("mlp", "cnn", "minilm", "smollm2"),
     )
-    trainable: str = opt("lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layers")
-    top_layers: int = opt(1, "--model minilm: encoder layers trained (LoRA on each); the layers below are cached")
+    trainable: str = opt(
+        "lora:qv:8", "--model minilm: 'lora:<targets>:<rank>' on the top encoder layers", only={"model": ("minilm",)}
+    )
+    top_layers: int = opt(
+        1,
+        "--model minilm: encoder layers trained (LoRA on each); the layers below are cached",
+        only={"model": ("minilm",)},
+    )
     methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
@@ -128,10 +137,12 @@ class Config:
     tune_references: bool = opt(True, "tune the references' lr (else they take the 'none' arm's choice)")
     reference_seeds: int = opt(0, "evaluation seeds of the references: the first N of --seeds (0: all)")
     tune_test_curve: bool = opt(True, "score the test split at every checkpoint of a tuning run (else at its end)")
-    block_size: int = opt(32, "--model smollm2: tokens per Shakespeare block")
-    val_blocks: int = opt(256, "--model smollm2: validation blocks scored (the first N of the split)")
-    test_blocks: int = opt(512, "--model smollm2: test blocks scored (the first N of the split)")
-    val_size: int = opt(5000, "validation examples carved from the training split")
+    block_size: int = opt(32, "--model smollm2: tokens per Shakespeare block", only=SMOLLM2)
+    val_blocks: int = opt(256, "--model smollm2: validation blocks scored (the first N of the split)", only=SMOLLM2)
+    test_blocks: int = opt(512, "--model smollm2: test blocks scored (the first N of the split)", only=SMOLLM2)
+    val_size: int = opt(
+        5000, "validation examples carved from the training split", only={"model": ("mlp", "cnn", "minilm")}
+    )
     threads: int = opt(2, "torch threads")
     out: Path = opt(RESULTS, "output folder (<name>.json, <name>.png)")
     name: str = opt("grid", "file stem of the outputs")
@@ -423,49 +434,63 @@ class GridSchedule:
         return [result["lr_choice"][f"{method}|{optimizer}|{batch}"]["lr"]]
 
 
-def measure_speed(cfg: Config) -> dict[str, Any]:
-    """Median step time of ghost clipping vs hooks (per-sample gradients), per model and batch, same data."""
+def step_seconds(model_name: str, batch: int, mode: str, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Median seconds of a DP step of ``model_name`` at ``batch`` in per-sample-gradient ``mode`` (4 batches)."""
     from opacus_spectral import PrivacyEngine
 
-    task = fashion_mnist_task(cfg.val_size)
-    x, y = task.train.tensors
-    out: dict[str, Any] = {
-        "command": "dp-bench grid --measure-speed",
-        "threads": torch.get_num_threads(),
-        "cases": {},
-    }
+    model = build(model_name, 0)
+    data = torch.utils.data.TensorDataset(x[: batch * 4], y[: batch * 4])
+    res = PrivacyEngine(accountant="prv").make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        post_hooks=[],
+    )
+    m, dp_opt, batches = res[0], res[1], list(res[-1])
+    crit = res[2] if len(res) == 4 else nn.CrossEntropyLoss()
+
+    def step(i: int, arm: Any) -> None:
+        xb, yb = batches[i]
+        dp_opt.zero_grad()
+        crit(m(xb), yb).backward()
+        dp_opt.step()
+
+    return statistics.median(timed_steps(step, len(batches))[None])
+
+
+def measure_speed(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
+    """Median step time of ghost clipping vs hooks (per-sample gradients), per model and batch, same data
+    (:func:`step_seconds`); written to ``<name>_speed.json``."""
+    out = start("grid", cfg, argv)
+    x, y = fashion_mnist_task(cfg.val_size).train.tensors
+    out.update(threads=torch.get_num_threads(), cases={})
     for model_name in ("mlp", "cnn"):
         for batch in cfg.batches:
-            times = {}
-            for mode in ("hooks", "ghost"):
-                model = build(model_name, 0)
-                data = torch.utils.data.TensorDataset(x[: batch * 4], y[: batch * 4])
-                res = PrivacyEngine(accountant="prv").make_private(
-                    module=model,
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                    data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-                    noise_multiplier=1.0,
-                    max_grad_norm=1.0,
-                    poisson_sampling=False,
-                    grad_sample_mode=mode,
-                    post_hooks=[],
-                )
-                m, dp_opt, dl = res[0], res[1], res[-1]
-                crit = res[2] if len(res) == 4 else nn.CrossEntropyLoss()
-                ts = []
-                for xb, yb in dl:
-                    t0 = time.perf_counter()
-                    dp_opt.zero_grad()
-                    crit(m(xb), yb).backward()
-                    dp_opt.step()
-                    ts.append(time.perf_counter() - t0)
-                times[mode] = sorted(ts)[len(ts) // 2]
+            times = {mode: step_seconds(model_name, batch, mode, x, y) for mode in ("hooks", "ghost")}
             case = {f"{k}_s_per_step": v for k, v in times.items()}
             case["speedup_ghost_vs_hooks"] = times["hooks"] / times["ghost"]
             out["cases"][f"{model_name}|B{batch}"] = case
-            print(model_name, batch, out["cases"][f"{model_name}|B{batch}"], flush=True)
-    (cfg.out / f"{cfg.name}_speed.json").write_text(json.dumps(out, indent=1))
-    return out
+            print(model_name, batch, case, flush=True)
+    return runner.write(out, SPEED_REPORT, cfg.out / f"{cfg.name}_speed.json", indent=1)
+
+
+def speed_tables(result: dict[str, Any]) -> str:
+    """The ghost-vs-hooks table of ``--measure-speed``."""
+    lines = ["| model | B | hooks s/step | ghost s/step | ghost speed-up |", "|---|---|---|---|---|"]
+    for key, c in result["cases"].items():
+        model, batch = key.split("|")
+        lines.append(
+            f"| {model} | {batch.removeprefix('B')} | {c['hooks_s_per_step']:.4f} | {c['ghost_s_per_step']:.4f} | "
+            f"{c['speedup_ghost_vs_hooks']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+SPEED_REPORT = runner.Report(tables=speed_tables)
 
 
 def planned(cfg: Config) -> list[Cell]:
@@ -501,8 +526,9 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a stored grid's configuration is this one, up to the execution settings (``resume``; ``threads``:
     the thread count changes only the order of float sums; ``out``: the folder of the JSON being resumed, an absolute
     path that differs between checkouts), options added since at their defaults, and the
-    :data:`GROWABLE` lists, which may only grow (every stored value is still asked for)."""
-    defaults = as_json(Config())
+    :data:`GROWABLE` lists, which may only grow (every stored value is still asked for). An option's default is the
+    default on this bed (a setting another bed reads is recorded as None)."""
+    defaults = as_json(Config(model=now["model"]))
     if not same_config(stored, now, defaults=defaults, ignore={"resume", "threads", "out", *GROWABLE}):
         return False
     return all(set(stored.get(k, defaults[k])) <= set(now[k]) for k in GROWABLE)
@@ -514,11 +540,10 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     are stored; meanwhile a worker trains the next cell's tuning runs (:class:`GridSchedule`)."""
     from tqdm.auto import tqdm
 
-    quiet_warnings()
-    torch.set_num_threads(cfg.threads)
+    header = start("grid", cfg, argv)
     path = cfg.out / f"{cfg.name}.json"
-    result: dict[str, Any] = json.loads(path.read_text()) if cfg.resume and path.is_file() else {"runs": {}}
-    if cfg.resume and result.get("config") and not resumable(result["config"], as_json(cfg)):
+    result: dict[str, Any] = runner.load(path, REPORT) if cfg.resume and path.is_file() else {"runs": {}}
+    if cfg.resume and result.get("config") and not resumable(result["config"], header["config"]):
         raise SystemExit(
             f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
             "grow, nothing stored may be dropped); use another --name"
@@ -528,18 +553,9 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     task = load_task(cfg)
     n = len(task.train)
     result.setdefault("commands", [result["command"]] if "command" in result else [])
-    result["commands"].append(command_line("grid", argv))  # every invocation that built this JSON, in order
-    result.update(
-        {
-            "command": command_line("grid", argv),
-            "config": as_json(cfg),
-            "data": task.info,
-            "versions": versions(),
-            "machine": machine(),
-            "accountant": "prv (rdp beside it)",
-        }
-    )
-    store = SharedResult(path, result)
+    result["commands"].append(header["command"])  # every invocation that built this JSON, in order
+    result.update({**header, "data": task.info, "accountant": "prv (rdp beside it)"})
+    store = SharedResult(path, result, upgrade=REPORT.upgrade)
     t_start = time.perf_counter()
 
     def train(cell: Cell, lr: float) -> dict[str, Any]:
@@ -553,7 +569,7 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
 
     runner.drive(store, planned(cfg), GridSchedule(cfg), train, desc=f"{cfg.name} grid")
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
-    return runner.finish(result, report_for(result), cfg.out / f"{cfg.name}.png", store.save)
+    return runner.finish(result, REPORT, cfg.out / f"{cfg.name}.png", store.save)
 
 
 def report_for(result: dict[str, Any]) -> Any:
@@ -562,12 +578,33 @@ def report_for(result: dict[str, Any]) -> Any:
     return lm_report if result["config"].get("model") == "smollm2" else grid_report
 
 
+class GridReport:
+    """The grid's report (:class:`dp_bench.runner.Report`): :func:`report_for`'s, and a stored JSON's ``config``
+    as it is recorded now (:func:`dp_bench.config.recorded_config`: settings the bed does not read are None)."""
+
+    def upgrade(self, result: dict[str, Any]) -> dict[str, Any]:
+        result["config"] = recorded_config(result["config"], Config)
+        return result
+
+    def analyze(self, result: dict[str, Any]) -> dict[str, Any]:
+        return report_for(result).analyze(result)
+
+    def tables(self, result: dict[str, Any]) -> str:
+        return report_for(result).tables(result)
+
+    def plot(self, result: dict[str, Any], png: Path) -> None:
+        report_for(result).plot(result, png)
+
+
+REPORT = GridReport()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench grid", description=__doc__.split("\n")[0])
+    cfg = parse_config(Config, argv, prog="dp-bench grid", description=__doc__)
     if cfg.measure_speed:
-        torch.set_num_threads(cfg.threads)
-        return measure_speed(cfg)
-    path = cfg.out / f"{cfg.name}.json"
+        if cfg.replot:
+            return runner.replot(cfg.out / f"{cfg.name}_speed.json", SPEED_REPORT, None)
+        return measure_speed(cfg, argv)
     if cfg.replot:
-        return runner.replot(path, report_for(json.loads(path.read_text())), cfg.out / f"{cfg.name}.png")
+        return runner.replot(cfg.out / f"{cfg.name}.json", REPORT, cfg.out / f"{cfg.name}.png")
     return run(cfg, argv)

@@ -109,7 +109,7 @@ class Config:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, tuple[float, float]]:
-    cfg = parse_config(Config, argv, prog="dp-bench noise-std", description=__doc__.split("\n")[0])
+    cfg = parse_config(Config, argv, prog="dp-bench noise-std", description=__doc__)
     print("| case | noise_std() | measured std | measured/noise_std |\n|---|---|---|---|")
     out = {}
     for name, kw in CASES.items():

@@ -19,15 +19,14 @@ initialised BERT of identical shapes (timings do not depend on the weights; reco
 
     OMP_NUM_THREADS=1 dp-bench overhead --out docs/results/overhead.json
     dp-bench overhead --device cuda --steps 10 --out docs/results/overhead_gpu.json
+    dp-bench overhead --replot                       # the tables of docs/results/overhead.json
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -43,10 +42,12 @@ from torch import nn
 
 from opacus_spectral import NoisyGradient, PrivacyEngine
 
-from ..config import command_line, opt, parse_config
+from .. import runner
+from ..config import opt, parse_config, start
 from ..data import DataUnavailableError, load_minilm, load_rotten_tomatoes, tokenize
 from ..meta import RESULTS
-from .overhead_regimes import ABBA, Switch, run_big_step, run_synthetic, step_summary, sync
+from ..timing import median_time, sync, timed_steps
+from .overhead_regimes import Switch, run_big_step, run_synthetic, step_summary
 
 LORA_TARGETS = (
     r".*\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
@@ -190,20 +191,9 @@ def naive_rmt(records: Sequence[NoisyGradient], kappa: float = 1.02) -> list[tor
     return out
 
 
-def median_time(fn: Any, device: torch.device, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _case_step(case: str, args: Config, device: torch.device) -> tuple[list[nn.Parameter], str, Switch, Any]:
     """Regime (a) set-up: the model of ``case`` under DP (random-token batches, switchable ``rmt``), and its
-    ``step(i, on)`` (one timed DP step on batch ``i``, with or without the denoiser)."""
+    ``step(i, on)`` (one DP step on batch ``i``, with or without the denoiser)."""
     model, source = prepare(case, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-4)
@@ -228,32 +218,20 @@ def _case_step(case: str, args: Config, device: torch.device) -> tuple[list[nn.P
     pos = torch.arange(args.seq, device=device).repeat(args.batch, 1)
     tt = torch.zeros(args.batch, args.seq, dtype=torch.long, device=device)
 
-    def step(i: int, on: bool) -> float:
+    def step(i: int, on: bool) -> None:
         switch.on = on
         x, y = batches[i % len(batches)]
-        sync(device)
-        t0 = time.perf_counter()
         dp_opt.zero_grad(set_to_none=True)
         crit(gsm(input_ids=x, token_type_ids=tt, position_ids=pos).logits, y).backward()
         dp_opt.step()
-        sync(device)
-        return time.perf_counter() - t0
 
     return params, source, switch, step
 
 
-def _case_abba(step: Any, switch: Switch, args: Config) -> dict[str, Any]:
+def _case_abba(step: Any, switch: Switch, args: Config, device: torch.device) -> dict[str, Any]:
     """Warm-up steps, then ``2 * steps`` steps with and without the denoiser in ABBA order, summarised."""
-    for i in range(args.warmup):
-        step(i, i % 2 == 0)
-    switch.seconds.clear()
-    switch.gated.clear()
-    t_on: list[float] = []
-    t_off: list[float] = []
-    for i in range(2 * args.steps):
-        on = ABBA[i % 4]
-        (t_on if on else t_off).append(step(args.warmup + i, on))
-    return step_summary(t_on, t_off, switch.seconds, switch.gated)
+    times = timed_steps(step, args.steps, arms=(True, False), warmup=args.warmup, device=device, on_start=switch.clear)
+    return step_summary(times[True], times[False], switch.seconds, switch.gated)
 
 
 def _batched_vs_naive(
@@ -265,8 +243,8 @@ def _batched_vs_naive(
     batched = RMTDenoiser(inplace=False, **PAPER_SETTING)
     batched(records)  # warm-up
     reps = max(2, args.reps)
-    t_batched = median_time(lambda: batched(records), device, reps)
-    t_naive = median_time(lambda: naive_rmt(records), device, max(1, reps // 2))
+    t_batched = median_time(lambda: batched(records), reps, device)
+    t_naive = median_time(lambda: naive_rmt(records), max(1, reps // 2), device)
     out_b, out_n = batched(records), naive_rmt(records)
     max_rel = 0.0
     for r, a, b in zip(records, out_b, out_n, strict=True):
@@ -288,7 +266,7 @@ def _matrix_shapes(mats: Sequence[NoisyGradient]) -> dict[str, int]:
 def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
     """Regime (a): one case (``lora`` / ``full``) at initialisation."""
     params, source, switch, step = _case_step(case, args, device)
-    summary = _case_abba(step, switch, args)
+    summary = _case_abba(step, switch, args, device)
     switch.capture = True
     step(0, False)
     records = switch.captured or []
@@ -386,31 +364,21 @@ def _warm_abba(
     """Logical steps through BatchMemoryManager: step 0 warms up, then ABBA; step times with and without."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    steps = 2 * args.warm_steps + 1
-    t_on: list[float] = []
-    t_off: list[float] = []
     with BatchMemoryManager(data_loader=dl, max_physical_batch_size=args.warm_physical, optimizer=dp_opt) as mem:
         it = iter(mem)
         per_logical = math.ceil(args.warm_batch / args.warm_physical)
-        for i in range(steps):  # step 0 warms up; then ABBA
-            on = i % 2 == 0 if i == 0 else ABBA[(i - 1) % 4]
+
+        def step(i: int, on: bool) -> None:
             switch.on = on
-            sync(device)
-            t0 = time.perf_counter()
             for _ in range(per_logical):
                 *inputs, y = next(it)
                 dp_opt.zero_grad(set_to_none=True)
                 feed = dict(zip(names, (v.to(device) for v in inputs), strict=True))
                 crit(gsm(**feed).logits, y.to(device)).backward()
                 dp_opt.step()
-            sync(device)
-            dt = time.perf_counter() - t0
-            if i == 0:
-                switch.seconds.clear()
-                switch.gated.clear()
-                continue
-            (t_on if on else t_off).append(dt)
-    return t_on, t_off
+
+        times = timed_steps(step, args.warm_steps, arms=(True, False), warmup=1, device=device, on_start=switch.clear)
+    return times[True], times[False]
 
 
 def run_warm(args: Config, device: torch.device) -> dict[str, Any]:
@@ -471,6 +439,7 @@ class Config:
     big_seq: int = opt(128, "regime (c) big layer tokens per example")
     big_steps: int = opt(4, "regime (c) big layer: measured steps per configuration")
     out: Path = opt(RESULTS / "overhead.json", "result JSON")
+    replot: bool = opt(False, "only print the tables of --out")
     memory_child: str = opt("", "internal: measure the peak memory of one denoiser call on saved records")
 
 
@@ -485,14 +454,77 @@ TARGETS = {
 }
 
 
+def tables(result: dict[str, Any]) -> str:
+    """The denoiser's share of a DP step per regime (a, b), its cost on synthetic matrices and the big layer (c)."""
+    lines = [
+        "| case | step without rmt | rmt in the step | share of the step | batched vs naive | peak extra / gradients |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case, c in result["cases"].items():
+        if "overhead_ratio" not in c:
+            continue
+        speedup = f"{c['speedup_batched_vs_naive']:.1f}×" if "speedup_batched_vs_naive" in c else "–"
+        peak = f"{c['peak_extra_over_grad_bytes']:.2f}" if "peak_extra_over_grad_bytes" in c else "–"
+        lines.append(
+            f"| {case} | {c['step_s_without']:.3f} s | {c['denoiser_s_in_step'] * 1e3:.1f} ms | "
+            f"{100 * c['overhead_ratio']:.3f} % | {speedup} | {peak} |"
+        )
+    for shape, row in result["cases"].get("synthetic", {}).items():
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in row["open_over_shut"].items())
+        shut = row["configs"]["shut"]["seconds"]["median"]
+        lines.append(f"| synthetic {shape} | – | shut {shut * 1e3:.1f} ms | open/shut {ratios} | – | – |")
+    big = result["cases"].get("big")
+    if big:
+        lines.append(
+            f"| big {big['dim']}×{big['dim']} | {big['step_s']['off']['median']:.2f} s | – | worst open/median shut "
+            f"{big['worst_open_over_median_shut']:.2f}× | – | – |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+REPORT = runner.Report(tables=tables)
+
+
+def _case_line(case: str, c: dict[str, Any], seconds: float) -> str:
+    return (
+        f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
+        f"({100 * c['overhead_ratio']:.2f} %), with/without {c['step_ratio_with_over_without']:.3f}, "
+        f"batched {c['batched_s'] * 1e3:.1f} ms vs naive {c['naive_loop_s'] * 1e3:.1f} ms "
+        f"({c['speedup_batched_vs_naive']:.1f}x), peak extra {c['peak_extra_bytes'] / 2**20:.1f} MiB / "
+        f"grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB [{seconds:.0f}s]"
+    )
+
+
+def run_cases(args: Config, device: torch.device, cases: Sequence[str]) -> dict[str, Any]:
+    """Every case of ``--cases``, in order: regime (a) ``lora`` / ``full``, (b) ``warm``, (c) ``synthetic``, ``big``."""
+    out: dict[str, Any] = {}
+    for case in cases:
+        t0 = time.perf_counter()
+        if case in ("lora", "full"):
+            out[case] = run_case(case, args, device)
+            print(_case_line(case, out[case], time.perf_counter() - t0), flush=True)
+        elif case == "warm":
+            out["warm"] = run_warm(args, device)
+        elif case == "synthetic":
+            shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
+            spikes = [int(k) for k in args.spikes.split(",") if k]
+            out["synthetic"] = run_synthetic(shapes, spikes, args.synthetic_reps, device)  # type: ignore[arg-type]
+        elif case == "big":
+            out["big"] = run_big_step(args.big_dim, args.big_batch, args.big_seq, args.big_steps, device)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
-    args = parse_config(Config, argv, prog="dp-bench overhead", description=__doc__.split("\n")[0])
+    args = parse_config(Config, argv, prog="dp-bench overhead", description=__doc__)
     if args.memory_child:
         return memory_child(args.memory_child)
+    if args.replot:
+        return runner.replot(args.out, REPORT, None)
     device = torch.device(args.device)
-    cases = [c for c in args.cases.split(",") if c]
     result: dict[str, Any] = {
-        "command": command_line("overhead", argv),
+        **start("overhead", args, argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -502,33 +534,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | int:
         "max_grad_norm": 1.0,
         "loadavg_start": os.getloadavg(),
         "targets": TARGETS,
-        "cases": {},
     }
-    for case in cases:
-        t0 = time.perf_counter()
-        if case in ("lora", "full"):
-            result["cases"][case] = c = run_case(case, args, device)
-            print(
-                f"[{case}] step {c['step_s_without']:.3f}s, denoiser {c['denoiser_s_in_step'] * 1e3:.1f} ms "
-                f"({100 * c['overhead_ratio']:.2f} %), with/without {c['step_ratio_with_over_without']:.3f}, "
-                f"batched {c['batched_s'] * 1e3:.1f} ms vs naive {c['naive_loop_s'] * 1e3:.1f} ms "
-                f"({c['speedup_batched_vs_naive']:.1f}x), peak extra {c['peak_extra_bytes'] / 2**20:.1f} MiB / "
-                f"grads {c['denoised_grad_bytes'] / 2**20:.1f} MiB [{time.perf_counter() - t0:.0f}s]",
-                flush=True,
-            )
-        elif case == "warm":
-            result["cases"]["warm"] = run_warm(args, device)
-        elif case == "synthetic":
-            shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",") if sh]
-            spikes = [int(k) for k in args.spikes.split(",") if k]
-            result["cases"]["synthetic"] = run_synthetic(shapes, spikes, args.synthetic_reps, device)  # type: ignore[arg-type]
-        elif case == "big":
-            result["cases"]["big"] = run_big_step(args.big_dim, args.big_batch, args.big_seq, args.big_steps, device)
-        else:
-            raise SystemExit(f"unknown case {case!r}")
+    result["cases"] = run_cases(args, device, [c for c in args.cases.split(",") if c])
     result["loadavg_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    runner.write(result, REPORT, args.out, indent=2)
     print("wrote", args.out)
     return result
 

@@ -17,11 +17,11 @@ Llama of the tests). Noise from ``noise_seed`` (a benchmark: the timings are all
 
     nice -n 5 dp-bench overhead-llm --out docs/results/overhead_llm.json
     dp-bench overhead-llm --device cuda --seq 128 --steps 4 --out docs/results/overhead_llm_gpu.json
+    dp-bench overhead-llm --replot                  # the tables of docs/results/overhead_llm.json
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -39,10 +39,12 @@ from opacus_spectral.errors import ReproducibleNoiseWarning
 
 from opacus_spectral import PrivacyEngine, causal_lm_loss
 
-from ..config import as_json, command_line, opt, parse_config
+from .. import runner
+from ..config import opt, parse_config, start
 from ..meta import RESULTS
+from ..timing import spread, timed_steps
 from .overhead import denoiser_peak_memory, peak_extra_memory
-from .overhead_regimes import ABBA, Switch, spread, step_summary, sync, timed
+from .overhead_regimes import Switch, step_summary
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: case -> (target modules, r, alpha)
@@ -70,6 +72,7 @@ class Config:
     max_grad_norm: float = opt(1.0, "clipping bound C")
     noise_seed: int = opt(0, "PrivacyEngine noise_seed (reproducible noise: a benchmark, nothing is released)")
     out: Path = opt(RESULTS / "overhead_llm.json", "result JSON")
+    replot: bool = opt(False, "only print the tables of --out")
 
     def validate(self) -> None:
         unknown = [c for c in self.cases.split(",") if c and c not in CASES]
@@ -162,39 +165,34 @@ def _logical_step(it: Any, per_logical: int, gsm: Any, dp_opt: Any, handle: Any,
 def _abba_steps(
     case: str, args: Config, device: torch.device, gsm: Any, dp_opt: Any, loader: Any, handle: Any, switch: Switch
 ) -> tuple[dict[str, list[float]], dict[str, int], int]:
-    """Warm-up (the first one: memory peak, captured gradients), then the ABBA steps: step and pipeline times
-    (``on`` / ``off`` / ``pipe_on`` / ``pipe_off``), the memory entries and the physical batches per step."""
+    """Warm-up with the denoiser on (the first step: memory peak, captured gradients), then the ABBA steps
+    (:func:`dp_bench.timing.timed_steps`): step and pipeline times (``on`` / ``off`` / ``pipe_on`` / ``pipe_off``),
+    the memory entries and the physical batches per step."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    n_steps = args.warmup + 2 * args.steps
-    times: dict[str, list[float]] = {"on": [], "off": [], "pipe_on": [], "pipe_off": []}
+    pipe: dict[bool, list[float]] = {True: [], False: []}
     mem: dict[str, int] = {}
+
+    def after(i: int, on: bool, seconds: float) -> None:
+        pipe[on].append(handle.pipeline.last_step.seconds)
+        print(f"[{case}] step {i}: {'with' if on else 'without'} rmt {seconds:.2f} s", flush=True)
+
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=args.physical, optimizer=dp_opt) as bmm:
         per_logical = -(-args.batch // args.physical)
         logical_step = _logical_step(iter(bmm), per_logical, gsm, dp_opt, handle, device)
-        for i in range(n_steps):
-            warm = i < args.warmup
-            switch.on = True if warm else ABBA[(i - args.warmup) % 4]  # warm-up: the denoiser's first calls too
-            if i == 0:  # the memory peak of a whole step with rmt, and its noisy input for the offline part
-                switch.capture = True
-                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss()
-                mem["step_peak_extra_bytes"] = peak_extra_memory(logical_step, device)
-                mem["step_peak_bytes"] = base + mem["step_peak_extra_bytes"]
-                continue
-            if i == args.warmup:  # only the measured steps' denoiser calls count
-                switch.seconds.clear()
-                switch.gated.clear()
-            sync(device)
-            t0 = time.perf_counter()
+        switch.on = switch.capture = True  # the memory peak of a whole step with rmt, and its noisy input
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss()
+        mem["step_peak_extra_bytes"] = peak_extra_memory(logical_step, device)
+        mem["step_peak_bytes"] = base + mem["step_peak_extra_bytes"]
+        for _ in range(args.warmup - 1):  # the other warm-up steps: the denoiser's first calls too
             logical_step()
-            sync(device)
-            dt = time.perf_counter() - t0
-            if warm:
-                continue
-            times["on" if switch.on else "off"].append(dt)
-            times["pipe_on" if switch.on else "pipe_off"].append(handle.pipeline.last_step.seconds)
-            print(f"[{case}] step {i}: {'with' if switch.on else 'without'} rmt {dt:.2f} s", flush=True)
-    return times, mem, per_logical
+
+        def step(i: int, on: bool) -> None:
+            switch.on = on
+            logical_step()
+
+        times = timed_steps(step, args.steps, arms=(True, False), device=device, on_start=switch.clear, after=after)
+    return {"on": times[True], "off": times[False], "pipe_on": pipe[True], "pipe_off": pipe[False]}, mem, per_logical
 
 
 def run_case(case: str, args: Config, device: torch.device) -> dict[str, Any]:
@@ -258,7 +256,7 @@ def offline_timings(records: Sequence[Any], reps: int, device: torch.device, ste
             before = torch.get_num_threads()
             torch.set_num_threads(n)
             try:
-                ts = [timed(lambda den=den: den(records), device)[0] for _ in range(max(1, reps))]
+                ts = timed_steps(lambda i, arm, den=den: den(records), max(1, reps), device=device)[None]
             finally:
                 torch.set_num_threads(before)
             med = statistics.median(ts)
@@ -266,12 +264,36 @@ def offline_timings(records: Sequence[Any], reps: int, device: torch.device, ste
     return out
 
 
+def case_line(case: str, c: dict[str, Any]) -> str:
+    """One case's step times, the denoiser's share, its offline timings and the step's memory peak."""
+    offline = ", ".join(
+        f"{k} {name} {v['seconds'] * 1e3:.1f} ms"
+        for name, o in c["offline"].items()
+        for k, v in o.items()
+        if k.startswith("threads")
+    )
+    return (
+        f"[{case}] step {c['step_s_without']:.2f} s without / {c['step_s_with']:.2f} s with, rmt "
+        f"{c['denoiser_s_in_step'] * 1e3:.1f} ms in step ({100 * c['share_rmt_in_step']:.3f} %), offline "
+        f"{offline}, step peak {c['memory']['step_peak_bytes'] / 2**30:.2f} GiB"
+    )
+
+
+def tables(result: dict[str, Any]) -> str:
+    """One line per case (:func:`case_line`)."""
+    return "\n".join(case_line(case, c) for case, c in result["cases"].items()) + "\n"
+
+
+REPORT = runner.Report(tables=tables)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_config(Config, argv, prog="dp-bench overhead-llm", description=__doc__.split("\n")[0])
+    args = parse_config(Config, argv, prog="dp-bench overhead-llm", description=__doc__)
+    if args.replot:
+        return runner.replot(args.out, REPORT, None)
     device = torch.device(args.device)
     result: dict[str, Any] = {
-        "command": command_line("overhead-llm", argv),
-        "config": as_json(args),
+        **start("overhead-llm", args, argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -283,21 +305,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     for case in (c for c in args.cases.split(",") if c):
         t0 = time.perf_counter()
-        result["cases"][case] = c = run_case(case, args, device)
-        print(
-            f"[{case}] step {c['step_s_without']:.2f} s without / {c['step_s_with']:.2f} s with, rmt "
-            f"{c['denoiser_s_in_step'] * 1e3:.1f} ms in step ({100 * c['share_rmt_in_step']:.3f} %), offline "
-            + ", ".join(
-                f"{k} {name} {v['seconds'] * 1e3:.1f} ms"
-                for name, o in c["offline"].items()
-                for k, v in o.items()
-                if k.startswith("threads")
-            )
-            + f", step peak {c['memory']['step_peak_bytes'] / 2**30:.2f} GiB [{time.perf_counter() - t0:.0f} s]",
-            flush=True,
-        )
+        result["cases"][case] = run_case(case, args, device)
+        print(f"{case_line(case, result['cases'][case])} [{time.perf_counter() - t0:.0f} s]", flush=True)
     result["loadavg_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    runner.write(result, REPORT, args.out, indent=2)
     print("wrote", args.out)
     return result

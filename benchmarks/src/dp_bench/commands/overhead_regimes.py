@@ -1,4 +1,5 @@
-"""Shared timing helpers of ``dp-bench overhead`` and its regime (c): synthetic spiked gradients, one large layer.
+"""Regime (c) of ``dp-bench overhead``, and the switchable denoiser its regimes share: synthetic spiked gradients, one
+large layer (timed with :func:`dp_bench.timing.timed_steps`).
 
 * ``synthetic``: ``rmt_denoise`` on one m × n matrix ``s·Z`` (gate shut) or ``s·Z + Σ_{i≤k} λ_i u_i v_iᵀ`` with
   k random orthonormal spikes at ``λ_i`` from 1.5× to 3× the BBP threshold ``s(mn)^{1/4}`` (gate open), every
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,10 +24,7 @@ from torch import nn
 
 from opacus_spectral import Denoiser, NoisyGradient, PrivacyEngine
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..timing import spread, timed, timed_steps
 
 
 class Switch(Denoiser):
@@ -51,32 +48,15 @@ class Switch(Denoiser):
             self.capture = False
         if not self.on:
             return None
-        sync(self.device)
-        t0 = time.perf_counter()
-        out = self.inner(grads)
-        sync(self.device)
-        self.seconds.append(time.perf_counter() - t0)
+        seconds, out = timed(lambda: self.inner(grads), self.device)
+        self.seconds.append(seconds)
         self.gated.append(int(self.inner.stats["gated"]))
         return out
 
-
-def spread(xs: Sequence[float]) -> dict[str, float]:
-    """Median with quartiles, min, max and count of a list of timings."""
-    if not xs:
-        return {"median": math.nan, "q1": math.nan, "q3": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
-
-
-ABBA = (True, False, False, True)  # denoiser on/off order: linear drift cancels
+    def clear(self) -> None:
+        """Forget the timings and gate counts so far (after the warm-up)."""
+        self.seconds.clear()
+        self.gated.clear()
 
 
 def step_summary(t_on: list[float], t_off: list[float], den: list[float], gated: list[int]) -> dict[str, Any]:
@@ -124,7 +104,6 @@ def run_synthetic(
             ("shut_cholesky_screen", spiked_matrix(m, n, 0, s, seed, device), {"screen": "cholesky"}),
         ]
         configs += [(f"open_k{k}", spiked_matrix(m, n, k, s, seed + k, device), {}) for k in spikes]
-        times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
         info: dict[str, Any] = {}
         slowest = 0.0
         for name, g, kw in configs:  # warm-up, and the decisions / work counts
@@ -133,10 +112,13 @@ def run_synthetic(
             info[name] = {"gated": bool(res.gated.all()), "work": res.work}
         # small matrices take milliseconds: repeat until each configuration has about a second of samples
         n_reps = max(reps, min(40, 2 * math.ceil(0.5 / max(slowest, 1e-6))))
-        for r in range(n_reps):
-            for name, g, kw in configs if r % 2 == 0 else configs[::-1]:
-                dt, _ = timed(lambda g=g, kw=kw: rmt_denoise(g, s, **kw), device)
-                times[name].append(dt)
+        by_name = {name: (g, kw) for name, g, kw in configs}
+
+        def call(i: int, name: str, by_name: dict[str, Any] = by_name) -> Any:
+            g, kw = by_name[name]
+            return rmt_denoise(g, s, **kw)
+
+        times = timed_steps(call, n_reps, arms=list(by_name), device=device)
         med_shut = statistics.median(times["shut"])
         out[f"{m}x{n}"] = {
             "sigma": s,
@@ -156,9 +138,9 @@ def run_synthetic(
 
 def _big_layer(
     dim: int, batch: int, seq: int, device: torch.device, seed: int
-) -> tuple[Callable[[int, bool, float], float], Switch, list[torch.Tensor]]:
+) -> tuple[Callable[[int, bool, float], None], Switch, list[torch.Tensor]]:
     """One ``dim × dim`` Linear layer under DP (lr 0; rank ≤ 8 inputs), a switchable ``rmt`` after a pass-through
-    that captures the first noisy gradient, and ``step(i, on, nm)``: one timed DP step at noise multiplier nm."""
+    that captures the first noisy gradient, and ``step(i, on, nm)``: one DP step at noise multiplier nm."""
     gen = torch.Generator().manual_seed(seed)
     basis = torch.linalg.qr(torch.randn(dim, 8, generator=gen))[0].T  # (8, dim) orthonormal rows
     n_ex = batch * 4
@@ -193,37 +175,37 @@ def _big_layer(
     batches = [(x.to(device), y.to(device)) for x, y in dl]
     crit = nn.MSELoss()
 
-    def step(i: int, on: bool, nm: float) -> float:
+    def step(i: int, on: bool, nm: float) -> None:
         switch.on = on
         dp_opt.noise_multiplier = nm
         x, y = batches[i % len(batches)]
-
-        def run() -> None:
-            dp_opt.zero_grad(set_to_none=True)
-            crit(gsm(x), y).backward()
-            dp_opt.step()
-
-        return timed(run, device)[0]
+        dp_opt.zero_grad(set_to_none=True)
+        crit(gsm(x), y).backward()
+        dp_opt.step()
 
     return step, switch, captured
 
 
 def _big_abba(
-    step: Callable[[int, bool, float], float], switch: Switch, plan: list[tuple[str, bool, float]], steps: int
+    step: Callable[[int, bool, float], None], switch: Switch, plan: list[tuple[str, bool, float]], steps: int
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """One warm-up pass over ``plan``, then ``steps`` rounds (alternately forward and reversed): step times and
     matrices gated per configuration."""
-    for i, (_, on, nm) in enumerate(plan):  # warm-up
-        step(i, on, nm)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in plan}
-    switch.seconds.clear()
-    switch.gated.clear()
+    by_name = {name: (on, nm) for name, on, nm in plan}
     gates: dict[str, list[int]] = {"shut": [], "open": []}
-    for r in range(steps):
-        for name, on, nm in plan if r % 2 == 0 else plan[::-1]:
-            times[name].append(step(r, on, nm))
-            if on:
-                gates[name].append(switch.gated[-1])
+
+    def gated(i: int, name: str, seconds: float) -> None:
+        if by_name[name][0]:
+            gates[name].append(switch.gated[-1])
+
+    times = timed_steps(
+        lambda i, name: step(i, *by_name[name]),
+        steps,
+        arms=list(by_name),
+        warmup=len(plan),
+        on_start=switch.clear,
+        after=gated,
+    )
     return times, gates
 
 

@@ -35,10 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import runner
 from ..adapters import Trainable, build_top
 from ..analysis import gated_gain_stats, global_cos_stats
-from ..config import as_json, command_line, opt, parse_config
-from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..config import opt, parse_config, start
+from ..meta import RESULTS, machine
+from ..store import atomic_write_json
 from ..task import frozen_text_task
 from ..train import run_dp
 
@@ -218,42 +220,31 @@ def _run_trainable(task: Any, spec: str, args: Config, command: Any) -> dict[str
 
 
 def run(args: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    quiet_warnings()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    header = start("regime-map", args, argv)
     t_start = time.perf_counter()
     task = frozen_text_task(
         args.model, args.max_length, args.top_layers, tiny_train=args.tiny_train, tiny_test=args.tiny_test
     )
     result: dict[str, Any] = {
-        "command": command_line("regime-map", argv),
-        "config": as_json(args),
+        **header,
         "data": dict(task.info, train=len(task.train), test=len(task.test)),
-        "versions": versions(),
-        "machine": machine(),
         "trainables": {},
     }
-    path = args.out / "regime_map.json"
+    path, png = args.out / "regime_map.json", args.out / "regime_map.png"
     if args.merge and path.is_file():
         _merge_previous(result, args, path)
     for spec in args.trainables:
         result["trainables"][spec] = _run_trainable(task, spec, args, result["command"])
-        args.out.mkdir(parents=True, exist_ok=True)
-        write(result, args.out)  # partial results survive an interrupted run
+        atomic_write_json(path, result)  # partial results survive an interrupted run
+        plot(result, png)
     result["wall_seconds"] = time.perf_counter() - t_start
     result["machine"]["loadavg_end"] = machine()["loadavg"]
-    write(result, args.out)
-    return result
+    return runner.write(result, REPORT, path, png)
 
 
 def matrix_names(top: torch.nn.Module) -> list[str]:
     """Qualified names of the trainable ≥2-D parameters (the matrices ``rmt`` considers)."""
     return [n for n, p in top.named_parameters() if p.requires_grad and p.dim() >= 2]
-
-
-def write(result: dict[str, Any], out: Path) -> None:
-    (out / "regime_map.json").write_text(json.dumps(result, indent=None, default=float))
-    replot(out / "regime_map.json", out)
 
 
 # ----------------------------------------------------------------------------------------------- outputs
@@ -313,14 +304,13 @@ def tables(result: dict[str, Any]) -> str:
     return "#### Batch sweep\n\n" + table(result) + "\n\n#### Trajectory\n\n" + trajectory_table(result) + "\n"
 
 
-def replot(path: Path, out: Path) -> Path:
-    """Regenerate ``regime_map.png`` from the JSON (the tables: :func:`tables`)."""
+def plot(result: dict[str, Any], png: Path) -> None:
+    """``regime_map.png``: gating rate and cosine gain vs batch, and along the trajectory."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(Path(path).read_text())
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (_spec, t) in enumerate(result["trainables"].items()):
@@ -369,19 +359,19 @@ def replot(path: Path, out: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    png = out / "regime_map.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    return png
+
+
+#: the runner's report protocol for this command
+REPORT = runner.Report(tables=tables, plot=plot)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | Path:
-    args = parse_config(Config, argv, prog="dp-bench regime-map", description=__doc__.split("\n")[0])
+    args = parse_config(Config, argv, prog="dp-bench regime-map", description=__doc__)
     if args.replot:
-        png = replot(args.out / "regime_map.json", args.out)
-        print(tables(json.loads((args.out / "regime_map.json").read_text())))
-        return png
+        runner.replot(args.out / "regime_map.json", REPORT, args.out / "regime_map.png")
+        return args.out / "regime_map.png"
     result = run(args, argv)
-    print("\n" + tables(result))
     print(f"wall {result['wall_seconds']:.0f}s; wrote {args.out / 'regime_map.json'}, {args.out / 'regime_map.png'}")
     return result

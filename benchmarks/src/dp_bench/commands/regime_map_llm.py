@@ -27,7 +27,6 @@ Protocol (docs/results.md §10.1, written before the run):
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import time
@@ -40,9 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import as_json, command_line, opt, parse_config
+from .. import runner
+from ..config import opt, parse_config, start
 from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task, tiny_lm_task
-from ..meta import RESULTS, machine, quiet_warnings, versions
+from ..meta import RESULTS
+from ..store import atomic_write_json
 from ..train import run_dp
 
 #: the settings applied offline (paper A's and the library default), and the arms of the cosines
@@ -227,27 +228,19 @@ def warm_state(task: LMTask, cfg: Config) -> tuple[dict[str, torch.Tensor], dict
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
-    quiet_warnings()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    header = start("regime-map-llm", cfg, argv)
     t_start = time.perf_counter()
     task = load_task(cfg)
-    result: dict[str, Any] = {
-        "command": command_line("regime-map-llm", argv),
-        "config": as_json(cfg),
-        "data": task.info,
-        "versions": versions(),
-        "machine": machine(),
-        "points": {},
-    }
+    result: dict[str, Any] = {**header, "data": task.info, "points": {}}
+    png = cfg.out.with_suffix(".png")
     init = adapter_state(lora_model(task, cfg.seed))
     warm, result["warm_up"] = warm_state(task, cfg)
     for point, state in (("init", init), ("warm", warm)):
         result["points"][point] = [sweep_cell(task, cfg, state, b, c) for b in cfg.batches for c in cfg.clips]
-        write(result, cfg.out)  # partial results survive an interrupted run
+        atomic_write_json(cfg.out, result)  # partial results survive an interrupted run
+        plot(result, png)
     result["wall_seconds"] = time.perf_counter() - t_start
-    write(result, cfg.out)
-    return result
+    return runner.write(result, REPORT, cfg.out, png)
 
 
 def summary(cell: dict[str, Any]) -> dict[str, Any]:
@@ -346,16 +339,12 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
-def write(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, default=float))
-    plot(result, out.with_suffix(".png"))
+#: the runner's report protocol for this command
+REPORT = runner.Report(tables=tables, plot=plot)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(Config, argv, prog="dp-bench regime-map-llm", description=__doc__.split("\n")[0])
-    result = json.loads(cfg.out.read_text()) if cfg.replot else run(cfg, argv)
+    cfg = parse_config(Config, argv, prog="dp-bench regime-map-llm", description=__doc__)
     if cfg.replot:
-        plot(result, cfg.out.with_suffix(".png"))
-    print(tables(result))
-    return result
+        return runner.replot(cfg.out, REPORT, cfg.out.with_suffix(".png"))
+    return run(cfg, argv)

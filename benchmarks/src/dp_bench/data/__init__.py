@@ -1,4 +1,4 @@
-"""Data and model loading for the harness: packaged corpora/weights that install offline, hub fallback.
+"""Data and model loading for dp-bench: packaged corpora/weights that install offline, hub fallback.
 
 Needs the ``datasets`` package. See ``docs/demo.md`` for the offline packages.
 """

@@ -7,6 +7,9 @@
   too, looser); where even RDP overflows (σ → 0) ε is ∞. A negative numerical ε means (0, δ)-DP and is returned as 0.
 * ``gdp`` is Opacus' central-limit approximation (Gaussian DP), not an upper bound: refused for every calibration
   (:func:`refuse_gdp`), and labelled :class:`ApproximateEpsilonWarning` wherever it is reported.
+* Upstream warnings that do not apply to the ε evaluated here are not shown (:func:`without_inapplicable_warnings`,
+  scoped to the evaluation, never a global filter): PRV sizes its grid with an RDP bound, whose "Optimal order is the
+  largest alpha" leaves PRV's ε unchanged; gdp's "experimental" caveat is :class:`ApproximateEpsilonWarning`.
 * :class:`ChargeLog` tells the doctor how many steps the engine's accountant hook charged in a DP step (1 under
   Poisson sampling; 0 or 1 for the un-amplified bound of shuffled sampling,
   :mod:`~opacus_spectral.accounting.sampling`).
@@ -14,10 +17,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +42,7 @@ __all__ = [
     "check_gdp_history",
     "refuse_gdp",
     "warn_approximate",
+    "without_inapplicable_warnings",
 ]
 
 #: PRV discretizes the privacy-loss distribution on a grid of 2·L/mesh points (Gopi et al. 2021, Opacus'
@@ -50,6 +55,17 @@ GDP_WHY = (
 )
 LOG_ATTR = "_opacus_spectral_charge_log"
 Entry = tuple[float, float, int]
+#: per accountant, the upstream warnings that do not apply to the ε this module evaluates with it (their message starts)
+INAPPLICABLE = {"prv": ("Optimal order is the",), "gdp": ("GDP accounting is experimental",)}
+
+
+@contextlib.contextmanager
+def without_inapplicable_warnings(mechanism: str) -> Iterator[None]:
+    """Silence, for the ``with`` block only, the upstream warnings of :data:`INAPPLICABLE` for ``mechanism``."""
+    with warnings.catch_warnings():
+        for message in INAPPLICABLE.get(mechanism, ()):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
 
 
 def refuse_gdp(accountant: str, what: str) -> None:
@@ -83,13 +99,14 @@ def bounded_epsilon(history: Sequence[Entry], delta: float, mechanism: str, eval
     """``evaluate()`` (the accountant ``mechanism``'s ε at ``delta`` on ``history``: entries with 0 < σ < ∞), guarded
     as the module docstring says; never below 0, never a finite value under the accountant's own bound."""
     if mechanism == "prv":
-        points = prv_grid_points(history, delta)
+        with without_inapplicable_warnings("prv"):
+            points = prv_grid_points(history, delta)
         if points is None:
             return math.inf
         if points > PRV_MAX_GRID:
-            return rdp_epsilon(history, delta)
+            return rdp_epsilon(history, delta)  # the ε reported is RDP's: its warnings apply
     try:
-        with np.errstate(divide="ignore"):  # PRV at q = 1 takes log(1 - q) = -inf on purpose
+        with np.errstate(divide="ignore"), without_inapplicable_warnings(mechanism):  # PRV at q = 1: log(0) on purpose
             eps = float(evaluate())
     except (ZeroDivisionError, OverflowError, FloatingPointError):  # σ → 0: the accountant's own arithmetic fails
         return math.inf

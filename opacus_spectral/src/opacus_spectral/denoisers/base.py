@@ -125,28 +125,3 @@ def denoiser_name(d: object) -> str:
     if isinstance(name, str):
         return name
     return getattr(d, "__name__", type(d).__name__)
-
-
-def declares_noise(d: object) -> bool:
-    """Whether ``d`` declares its output noise: it has an ``output_noise`` other than :class:`Denoiser`'s default."""
-    declare = getattr(d, "output_noise", None)
-    return declare is not None and getattr(declare, "__func__", None) is not Denoiser.output_noise
-
-
-def declared_selector(d: object) -> Selector | None:
-    """The :class:`~opacus_spectral.step.selection.Selector` the pipeline applies for ``d`` (its ``selector``
-    attribute); ``None`` hands it every record (a plain callable declares none)."""
-    selector = getattr(d, "selector", None)
-    return selector if isinstance(selector, Selector) else None
-
-
-def selects_record(d: object, name: str, role: str) -> bool:
-    """Whether ``d`` selects the parameter: its declared selector (none: every one)."""
-    selector = declared_selector(d)
-    return selector is None or selector.matches(name, role)
-
-
-def published_stats(d: object) -> dict[str, Any] | None:
-    """The per-step numbers ``d`` published (``d.stats``), or ``None``."""
-    stats = getattr(d, "stats", None)
-    return stats if isinstance(stats, dict) else None

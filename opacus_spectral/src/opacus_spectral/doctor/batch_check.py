@@ -252,7 +252,7 @@ def install_batch_check(module: Any, data_loader: Any, setting: BatchCheckSettin
         warnings.warn(
             "opacus_spectral: batch independence not checked: batch_first=False (docs/engine.md)",
             BatchCheckWarning,
-            stacklevel=3,
+            stacklevel=external_stacklevel(),
         )
         return None
     return BatchCheck(module, data_loader, mode=setting)

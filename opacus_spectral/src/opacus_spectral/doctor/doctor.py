@@ -57,8 +57,9 @@ from ..step.attachment import (
 from ..step.copies import InertOnCopy
 from ..step.installation import HANDLE_ATTR
 from ..step.parameters import unwrap
+from ..step.validation import stacked_norms
 from .batches import BatchObserver, per_sample_rows
-from .fingerprint import ParameterFingerprint, tensor_norms
+from .fingerprint import ParameterFingerprint
 
 DoctorMode = Literal["warn", "raise"]
 #: what ``make_private(doctor=...)`` accepts: ``True``/``"warn"``, ``"raise"``, or ``False``/``None`` (off)
@@ -326,10 +327,10 @@ class Doctor:
         params = [p for p in self.optimizer.params if p.grad is not None]
         if not params:
             return
-        norms = tensor_norms([p.grad for p in params], 2.0)  # the fastest fused norm; NaN/Inf propagate
-        if bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()):  # one host sync
+        finite = torch.isfinite(stacked_norms([p.grad for p in params], 2.0))  # the fastest fused norm; NaN/Inf stay
+        if bool(finite.all()):  # one host sync
             return
-        bad = [p for p, n in zip(params, norms, strict=True) if not bool(torch.isfinite(n))]
+        bad = [p for p, ok in zip(params, finite.tolist(), strict=True) if not ok]
         names = [self._name(p, "?") for p in bad if not bool(torch.isfinite(p.grad).all())]  # not an overflow
         if not names:
             return

@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def tensor_norms(tensors: Sequence[torch.Tensor], order: float) -> list[torch.Tensor]:
-    """Float32 norms of ``tensors`` (0-d tensors, one per input, on its device); empty tensors count as zero."""
-    return list(torch._foreach_norm([t if t.numel() else t.new_zeros(1) for t in tensors], order, dtype=torch.float32))
+from ..step.validation import tensor_norms
 
 
 def _by_device(norms: list[torch.Tensor]) -> dict[torch.device, tuple[list[int], torch.Tensor]]:

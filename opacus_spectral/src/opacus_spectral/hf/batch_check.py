@@ -143,8 +143,8 @@ class TrainerBatchCheck:
             "record of its batch was removed and the rest re-collated by the data collator"
             f"{' (' + self.outcome.note + ')' if self.outcome.note else ''}. Each record's clipped gradient then "
             "depends on which other records were sampled, so one record can move the clipped sum by more than "
-            "max_grad_norm and the privacy guarantee is void. " + CAUSES
+            "per_sample_max_grad_norm and the privacy guarantee is void. " + CAUSES
         )
-        if self.trainer.batch_check == "raise":
+        if self.trainer.args.batch_check == "raise":
             raise BatchDependenceError(text)
         warnings.warn(text, BatchCheckWarning, stacklevel=4)

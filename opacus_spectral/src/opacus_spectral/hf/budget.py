@@ -77,7 +77,7 @@ class DPControl(TrainerCallback):
             )
         if t.budget_steps is not None and counted >= t.budget_steps:
             warnings.warn(
-                f"stopping at step {counted}: one more step would exceed target_epsilon={t.target_epsilon} "
+                f"stopping at step {counted}: one more step would exceed target_epsilon={t.args.target_epsilon} "
                 f"(epsilon now {t.get_epsilon():.4g})",
                 RuntimeWarning,
                 stacklevel=2,

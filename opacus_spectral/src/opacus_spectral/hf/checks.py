@@ -4,7 +4,6 @@ the private data without noise."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,52 +16,18 @@ from transformers.trainer_utils import has_length
 from ..accounting.bounds import check_delta
 from .distributed import EVALUATION, unsupported_parallelism
 
-__all__ = ["MODES", "check_run_length", "check_supported", "check_train_dataset", "loss_refusal"]
-
-MODES = ("hooks", "functorch", "ghost")
+__all__ = ["check_run_length", "check_supported", "check_train_dataset", "loss_refusal"]
 
 
 def check_supported(t: Any) -> None:
-    """Raise ``ValueError`` naming the setting of the DPTrainer ``t`` that cannot work, and what to do instead."""
+    """Raise ``ValueError`` naming the setting of the DPTrainer ``t`` that cannot work with its model, data and
+    Trainer settings, and what to do instead (the DP settings on their own:
+    :func:`~opacus_spectral.hf.dp_config.check_dp_settings`)."""
     a = t.args
-    if t.grad_sample_mode not in MODES:
-        raise ValueError(f"grad_sample_mode must be one of {MODES}, got {t.grad_sample_mode!r}")
-    if t.target_delta is None or not 0 < t.target_delta < 1:
-        raise ValueError(f"target_delta in (0, 1) is required (the δ of the guarantee), got {t.target_delta}")
-    if t.target_epsilon is None and t.noise_multiplier is None:
-        raise ValueError("give target_epsilon (the noise multiplier is calibrated from it) or noise_multiplier")
-    if t.target_epsilon is not None and not t.target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {t.target_epsilon}")
-    if t.target_epsilon is not None and t.noise_multiplier == 0:
-        raise ValueError(
-            "noise_multiplier=0 spends epsilon = inf at the first step, so no target_epsilon can hold: "
-            "drop target_epsilon for a non-private reference run, or give a noise_multiplier > 0"
-        )
     check_run_length(a.max_steps, a.num_train_epochs)
     if t.train_dataset is not None:
         check_train_dataset(t.train_dataset)
-        check_delta(t.target_delta, len(t.train_dataset), "target_delta")  # δ < 1/N (.accounting)
-    if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm > 0):
-        raise ValueError(
-            f"max_grad_norm (the per-example clipping bound C) must be finite and > 0, got {t.max_grad_norm}: "
-            "the noise std is noise_multiplier·C, so C sets the privacy guarantee"
-        )
-    taken = set(t.make_private_kwargs) & {
-        "module",
-        "optimizer",
-        "data_loader",
-        "noise_multiplier",
-        "wrap_model",
-        "max_grad_norm",
-        "poisson_sampling",
-        "grad_sample_mode",
-        "criterion",
-        "post_hooks",
-        "doctor",
-        "batch_check",
-    }
-    if taken:
-        raise ValueError(f"make_private_kwargs may not set {sorted(taken)}: DPTrainer sets them")
+        check_delta(a.target_delta, len(t.train_dataset), "target_delta")  # δ < 1/N (.accounting)
     for bad, why in _refusals(t):
         if bad:
             raise ValueError(f"DPTrainer cannot train with {why}")
@@ -105,15 +70,15 @@ def _refusals(t: Any) -> list[tuple[bool, str | None]]:
             "pass fires Opacus' activation hooks twice. Train without it.",
         ),
         (
-            a.include_num_input_tokens_seen not in ("no", False) and not t.release_nonprivate_stats,
+            a.include_num_input_tokens_seen not in ("no", False) and not a.release_nonprivate_stats,
             "include_num_input_tokens_seen: the token count of the sampled batches is not private; pass "
             "release_nonprivate_stats=True to log it anyway.",
         ),
         (
-            a.bf16 and t.grad_sample_mode == "ghost",
+            a.bf16 and a.grad_sample_mode == "ghost",
             "bf16 under ghost clipping: Opacus computes the per-example norms from bfloat16 activations "
             "and the clipped gradient in a second bfloat16 backward, so a clipped example can "
-            "exceed max_grad_norm (opacus_spectral.hf.precision). Use grad_sample_mode='hooks' or float32.",
+            "exceed per_sample_max_grad_norm (opacus_spectral.hf.precision). Use grad_sample_mode='hooks' or float32.",
         ),
         (
             t.task in ("causal_lm", "token_classification")
@@ -136,7 +101,7 @@ def loss_refusal(t: Any) -> str | None:
     """Why ghost clipping of a sequence-classification loss cannot honour this set-up, or None. Ghost clipping needs
     each example's loss as a vector (``criterion`` on the logits); the Trainer's ``compute_loss`` returns the batch's
     scalar, so an override or ``compute_loss_func`` would be bypassed (hooks / functorch call them)."""
-    if t.grad_sample_mode != "ghost" or t.task in ("causal_lm", "token_classification"):
+    if t.args.grad_sample_mode != "ghost" or t.task in ("causal_lm", "token_classification"):
         return None
     if _overrides_compute_loss(t) or t.compute_loss_func is not None:
         what = f"an overridden {type(t).__name__}.compute_loss" if _overrides_compute_loss(t) else "compute_loss_func"

@@ -186,12 +186,12 @@ def run_setup(trainer: Any, dataset: Any) -> dict[str, Any]:
         "logical batch": trainer._train_batch_size * k * world,
         "gradient_accumulation_steps": k,
         "world size": world,
-        "max_grad_norm": trainer.max_grad_norm,
+        "per_sample_max_grad_norm": trainer.args.per_sample_max_grad_norm,
         "noise_multiplier": trainer.noise_multiplier,
-        "target_epsilon": trainer.target_epsilon,
-        "target_delta": trainer.target_delta,
+        "target_epsilon": trainer.args.target_epsilon,
+        "target_delta": trainer.args.target_delta,
         "accountant": trainer.privacy_engine.accountant.mechanism(),
-        "grad_sample_mode": trainer.grad_sample_mode,
+        "grad_sample_mode": trainer.args.grad_sample_mode,
     }
 
 

@@ -1,5 +1,5 @@
-"""``DPTrainer``: differentially private fine-tuning with the Hugging Face ``Trainer`` (``pip install
-opacus-spectral[hf]``), user guide in ``docs/trainer.md``.
+"""``DPTrainer``: differentially private fine-tuning with the Hugging Face ``Trainer`` (the ``[hf]`` extra: README,
+Install), user guide in ``docs/trainer.md``.
 
 What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :mod:`~opacus_spectral.hf.checks`):
 
@@ -26,16 +26,20 @@ What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :
   record keeps only the keys of :mod:`~opacus_spectral.hf.logs` (loss, FLOP and token counts, timing: dropped) unless
   ``release_nonprivate_stats=True``; ``floating_point_ops`` counts nothing, so ``total_flos`` stays 0;
 * ``_save_checkpoint`` / ``_load_from_checkpoint``: the DP state travels in ``opacus_spectral_dp.pt``, checked on
-  resume against the Trainer's step counters and the loaded weights (:mod:`~opacus_spectral.hf.state`).
+  resume against the Trainer's step counters and the loaded weights (:mod:`~opacus_spectral.hf.state`);
+* ``_get_grad_norm``: not computed (the clean gradient's norm is not private); the Trainer's clipping of the batch
+  gradient (``max_grad_norm``) is refused (:mod:`~opacus_spectral.hf.dp_config`).
+
+The private Trainer members this relies on are listed in :data:`PRIVATE_TRAINER_API`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..accounting.record import STATE_KEY as RECORD_STATE_KEY
@@ -58,9 +62,9 @@ from ..accounting.record import (
     trainer_prior,
 )
 from ..denoisers.base import denoiser_name
-from ..doctor.doctor import DoctorSetting, accounted_steps
+from ..doctor.doctor import accounted_steps
 from ..engine import PrivacyEngine
-from ..plugins.registry import DenoiserSpec
+from ..plugins.registry import alternation_controller, create_denoisers
 from ..step.grad_sample import set_trainable
 from ..step.noise_source import NoiseSource
 from . import loss as trainer_loss
@@ -75,6 +79,7 @@ from .distributed import (
     rank_wrapper,
     run_setup,
 )
+from .dp_config import DPTrainingArguments, check_dp_settings
 from .logs import drop_unlisted
 from .loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
@@ -90,89 +95,58 @@ from .state import (
     resumed_noise_seed,
 )
 
+#: The private ``transformers.Trainer`` members DPTrainer relies on, with the parameters it expects
+#: (``docs/trainer.md``, "Private Trainer methods"): "override" — redefined here, and still called by the Trainer;
+#: "call" — called here; "attribute" — read here. A transformers release may change any of them: the tests check the
+#: installed one.
+PRIVATE_TRAINER_API: dict[str, tuple[str, tuple[str, ...]]] = {
+    "_wrap_model": ("override", ("model", "training", "dataloader")),
+    "_get_grad_norm": ("override", ("model", "grad_norm")),
+    "_save_checkpoint": ("override", ("model", "trial")),
+    "_save": ("override", ("output_dir", "state_dict")),
+    "_load_from_checkpoint": ("override", ("resume_from_checkpoint", "model")),
+    "_remove_unused_columns": ("call", ("dataset", "description")),
+    "_get_collator_with_removed_columns": ("call", ("data_collator", "description")),
+    "_prepare_inputs": ("call", ("inputs",)),
+    "_get_output_dir": ("call", ("trial",)),
+    "_train_batch_size": ("attribute", ()),
+}
+
 
 class DPTrainer(Trainer):
     """``transformers.Trainer`` with DP-SGD (Opacus, Poisson sampling) and optional post-noise denoisers.
 
-    Takes every ``Trainer`` argument, plus (keyword-only):
+    Takes every ``Trainer`` argument; the DP settings are ``args=``
+    :class:`~opacus_spectral.hf.dp_config.DPTrainingArguments` (``target_delta``, ``target_epsilon`` or
+    ``noise_multiplier``, ``per_sample_max_grad_norm``, ``post_hooks``, ``noise_seed``, ...). The denoisers of
+    ``post_hooks`` are built here, so a misspelled name or keyword is refused before any training.
 
     Args:
-        target_epsilon: the budget; the noise multiplier is calibrated so that ``max_steps`` (or the epochs) end
-            within it, and training stops early if a given ``noise_multiplier`` would exceed it.
-        target_delta: δ of the guarantee (required; also the δ at which ε is logged).
-        noise_multiplier: the noise multiplier (noise std / ``max_grad_norm``); ``None`` calibrates it from
-            ``target_epsilon``.
-        max_grad_norm: per-example clipping bound (``TrainingArguments.max_grad_norm`` is not used).
-        post_hooks: denoisers run on the noisy gradient each logical step (``make_private(post_hooks=...)``).
-        grad_sample_mode: ``"hooks"`` (default), ``"functorch"`` or ``"ghost"``.
-        accountant: ``"prv"`` (default) or ``"rdp"``: upper bounds for the Poisson sampling used here. ``"gdp"``
-            (Opacus' CLT approximation, not a bound) is refused with ``target_epsilon`` and, with a given noise
-            multiplier, its ε is logged with ``epsilon_approximate: True``.
-        secure_mode: Opacus' cryptographically secure RNG (torchcsprng) for sampling and noise.
-        noise_seed: ``None`` (default): noise and Poisson sample from OS-entropy generators, whatever
-            ``TrainingArguments.seed``. An int: reproducible runs that are NOT private against whoever knows the
-            seed (warns ``ReproducibleNoiseWarning``).
-        task: ``"causal_lm"``, ``"token_classification"``, ``"sequence_classification"`` or ``None`` (default:
-            from the PEFT ``task_type`` and the model class; token-level labels of a model neither places are
-            refused). Decides each example's loss (:mod:`~opacus_spectral.hf.loss`).
         criterion: sequence classification under ghost clipping: the per-example loss (default
-            ``nn.CrossEntropyLoss`` on ``logits``, with ``TrainingArguments.label_smoothing_factor``).
-        doctor: ``"raise"`` (default), ``"warn"`` or ``False`` — see :mod:`~opacus_spectral.doctor.doctor`.
-        alternation: attach peft_lalora's alternation controller (with the active LALoRA adapter's schedule) when
-            the model carries a LALoRA adapter and no controller is attached yet.
-        release_nonprivate_stats: also log the training loss, token and FLOP counts and timing (NOT private).
-        batch_check: before the first DP step, check that no record's gradient depends on the other records of its
-            batch (:mod:`~opacus_spectral.hf.batch_check`; it also decides whether left-padded batches get
-            ``position_ids``): ``"raise"`` (default), ``"warn"`` or ``False``.
-        make_private_kwargs: further ``make_private`` arguments (``on_denoiser_error``, ``on_nonfinite_grad``, ...).
-        new_privacy_unit: a model that carries a privacy record (DP-trained before,
-        :mod:`~opacus_spectral.accounting.record`) is
-            composed with: ε continues from it, and ``target_epsilon`` bounds the total. ``True`` states that the
-            training data are a different privacy unit than the earlier runs': ε starts from 0.
+            ``nn.CrossEntropyLoss`` on ``logits``, with ``label_smoothing_factor``), an object like the Trainer's
+            ``compute_loss_func``, hence not an argument field.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        noise_multiplier: float | None = None,
-        max_grad_norm: float = 1.0,
-        post_hooks: Sequence[DenoiserSpec] | None = None,
-        grad_sample_mode: str = "hooks",
-        accountant: str = "prv",
-        secure_mode: bool = False,
-        noise_seed: int | None = None,
-        task: str | None = None,
-        criterion: nn.Module | None = None,
-        doctor: DoctorSetting = "raise",
-        alternation: bool = True,
-        release_nonprivate_stats: bool = False,
-        make_private_kwargs: dict[str, Any] | None = None,
-        new_privacy_unit: bool = False,
-        batch_check: str | bool = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.target_epsilon, self.target_delta = target_epsilon, target_delta
-        self.noise_multiplier, self.max_grad_norm = noise_multiplier, float(max_grad_norm)
-        self.post_hooks_spec, self.grad_sample_mode = post_hooks, grad_sample_mode
-        self.criterion, self.doctor_setting, self.alternation = criterion, doctor, alternation
-        self.release_nonprivate_stats = release_nonprivate_stats
-        self.make_private_kwargs = dict(make_private_kwargs or {})
-        self.new_privacy_unit = new_privacy_unit
+    def __init__(self, model: Any = None, args: Any = None, *more: Any, criterion: nn.Module | None = None, **kwargs):
+        _check_arguments(args, kwargs)
+        check_dp_settings(args)  # again: arguments unpickled or edited since they were built
+        self._denoisers = None if args.post_hooks is None else create_denoisers(args.post_hooks)
+        super().__init__(model, args, *more, **kwargs)
+        self.args: DPTrainingArguments
+        self.criterion = criterion
+        self.noise_multiplier = args.noise_multiplier  #: the run's, once calibrated (create_optimizer)
         self.prior_steps = 0  #: steps of the model's privacy record this run composed with (.privacy_record)
-        self.batch_check: str | bool = "raise" if batch_check is True else batch_check
         self.position_ids_from_mask = False  #: left-padded batches get position_ids (set by the batch check)
         self.batch_check_result: TrainerBatchCheck | None = None  #: the check's outcome and cost, once it ran
         self._check_data: tuple[Any, Any] | None = None  #: the training set and collator the check reads
-        self.task = resolve_task(self.model, task)
+        self.task = resolve_task(self.model, args.task)
         check_supported(self)
-        self.noise_seed = noise_seed
-        self.privacy_engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode, noise_seed=noise_seed)
+        self.privacy_engine = PrivacyEngine(
+            accountant=args.accountant, secure_mode=args.secure_mode, noise_seed=args.noise_seed
+        )
         self.sample_rate: float | None = None
         self.budget_steps: int | None = None  #: DP steps (total) within target_epsilon; None: the whole run fits
-        self.controller: Any = None  #: the AlternationController DPTrainer attached, if any
+        self.controller: Any = None  #: the alternation controller a plugin attached for this run, if any
         self._logical_loader: DataLoader | None = None
         self._dp: DPOptimizer | None = None
         self._ranks: nn.Module | None = None  #: Opacus' DPDDP around the model, across processes
@@ -187,6 +161,12 @@ class DPTrainer(Trainer):
         self._eval_sums: list[float] = [0.0, 0]  #: next-token loss sum and target count of the running evaluation
         self.add_callback(DPControl(self))
         install_progress(self)  # no per-step timing in the progress bar (.trainer_progress)
+
+    def set_trainable(self, params: Sequence[nn.Parameter], trainable: bool) -> None:
+        """Freeze or unfreeze parameters between DP steps, Opacus' per-sample state included
+        (:func:`~opacus_spectral.step.grad_sample.set_trainable`): what an alternation controller on this Trainer
+        freezes with."""
+        set_trainable(params, trainable)
 
     # -- data ---------------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -236,11 +216,11 @@ class DPTrainer(Trainer):
         noise_multiplier = self.noise_multiplier
         if noise_multiplier is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
-            prior = trainer_prior(self.privacy_engine, self.model, self.new_privacy_unit, self._resume)
+            prior = trainer_prior(self.privacy_engine, self.model, self.args.new_privacy_unit, self._resume)
             noise_multiplier = noise_multiplier_after(
                 prior,
-                target_epsilon=self.target_epsilon,
-                target_delta=self.target_delta,
+                target_epsilon=self.args.target_epsilon,
+                target_delta=self.args.target_delta,
                 sample_rate=self.sample_rate,
                 steps=self.state.max_steps,
                 accountant=self.privacy_engine.accountant.mechanism(),
@@ -256,16 +236,16 @@ class DPTrainer(Trainer):
             optimizer=optimizer,
             data_loader=self._logical_loader,
             noise_multiplier=noise_multiplier,
-            max_grad_norm=self.max_grad_norm,
+            max_grad_norm=self.args.per_sample_max_grad_norm,
             poisson_sampling=True,
-            grad_sample_mode=self.grad_sample_mode,
+            grad_sample_mode=self.args.grad_sample_mode,
             wrap_model=False,
-            post_hooks=self.post_hooks_spec,
-            doctor=self.doctor_setting,
-            new_privacy_unit=self.new_privacy_unit,
+            post_hooks=self._denoisers,
+            doctor=False if self.args.doctor == "off" else self.args.doctor,
+            new_privacy_unit=self.args.new_privacy_unit,
             batch_check=False,  # the Trainer checks per-example gradients itself (training_step)
             **extra,
-            **self.make_private_kwargs,
+            **(self.args.make_private_kwargs or {}),
         )
         self._hooks, self._dp = out[0], out[1]
         self._dp_criterion = out[2] if self._ghost else None
@@ -274,17 +254,17 @@ class DPTrainer(Trainer):
         if out[-1].sample_rate != self.sample_rate:  # the loader we train on and the accountant must agree
             raise RuntimeError(f"sample rates differ: loader {self.sample_rate}, accountant {out[-1].sample_rate}")
         self.noise_multiplier = self._dp.noise_multiplier
-        set_run_delta(self.privacy_engine, self.target_delta)
+        set_run_delta(self.privacy_engine, self.args.target_delta)
         if self._resume is not None:
             self._restore(self._resume)
         self.prior_steps = composed_steps(self.privacy_engine)  # the accountant's history starts with them
         total = budget_steps(
             self.privacy_engine.accountant,
             max_steps=self.state.max_steps + self.prior_steps,
-            target_epsilon=self.target_epsilon,
+            target_epsilon=self.args.target_epsilon,
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sample_rate,
-            delta=self.target_delta,
+            delta=self.args.target_delta,
         )
         self.budget_steps = None if total is None else total - self.prior_steps
         self.optimizer = self._dp
@@ -299,7 +279,7 @@ class DPTrainer(Trainer):
 
     @property
     def _ghost(self) -> bool:
-        return self.grad_sample_mode == "ghost"
+        return self.args.grad_sample_mode == "ghost"
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """ε spent so far at ``delta`` (default ``target_delta``), from Opacus' accountant."""
@@ -308,10 +288,10 @@ class DPTrainer(Trainer):
             return 0.0
         if spends_infinite_epsilon(self.privacy_engine.accountant):  # no noise: the accountants overflow (PRV) instead
             return math.inf
-        if delta is not None and delta != self.target_delta:
+        if delta is not None and delta != self.args.target_delta:
             return float(self.privacy_engine.get_epsilon(delta))
         if self._eps_cache[0] != steps:
-            self._eps_cache = (steps, float(self.privacy_engine.get_epsilon(self.target_delta)))
+            self._eps_cache = (steps, float(self.privacy_engine.get_epsilon(self.args.target_delta)))
         return self._eps_cache[1]
 
     # -- one micro-batch ----------------------------------------------------------------------------------
@@ -323,7 +303,7 @@ class DPTrainer(Trainer):
         dp = self._dp
         if dp is None:
             raise RuntimeError("DPTrainer.training_step runs inside train()")
-        if self.batch_check_result is None and self.batch_check:
+        if self.batch_check_result is None and self.args.batch_check != "off":
             self._check_batches()
         if self._clear_pending:
             self._clear_per_sample_state()
@@ -394,17 +374,14 @@ class DPTrainer(Trainer):
         frozen = [p for g in self._dp.original_optimizer.param_groups for p in g["params"] if not p.requires_grad]
         set_trainable(frozen, False)
 
-    # The Trainer's own clipping would release the norm of the clean gradient: DP clips per example instead.
-    def _clip_grad_norm(self, model: nn.Module) -> None:
-        return None
-
+    # The Trainer's clipping (max_grad_norm) is refused: DP clips per example. Nor is the clean gradient's norm taken.
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
         return None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log plus ``epsilon`` and ``delta``; a training record keeps only public keys
         (:mod:`~opacus_spectral.hf.logs`) unless ``release_nonprivate_stats``; evaluation records are kept whole."""
-        if not self.release_nonprivate_stats and not self._evaluating:
+        if not self.args.release_nonprivate_stats and not self._evaluating:
             unknown = [k for k in drop_unlisted(logs) if k not in self._warned_keys]
             if unknown:
                 self._warned_keys.update(unknown)
@@ -416,7 +393,7 @@ class DPTrainer(Trainer):
                     stacklevel=2,
                 )
         if self._dp is not None:
-            logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.target_delta)
+            logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.args.target_delta)
             if self.privacy_engine.accountant.mechanism() == "gdp":  # an approximation, not a bound (.accounting)
                 logs["epsilon_approximate"] = True
         super().log(logs, start_time)
@@ -462,7 +439,7 @@ class DPTrainer(Trainer):
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """0 unless ``release_nonprivate_stats``: the Trainer's count (``total_flos``) is proportional to the
         number of tokens of the Poisson-sampled records."""
-        return super().floating_point_ops(inputs) if self.release_nonprivate_stats else 0
+        return super().floating_point_ops(inputs) if self.args.release_nonprivate_stats else 0
 
     # -- the run ------------------------------------------------------------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -470,6 +447,7 @@ class DPTrainer(Trainer):
         if self._trained:
             raise RuntimeError("a DPTrainer trains once; create a new one (resume_from_checkpoint=... to continue)")
         self._trained = True
+        check_dp_settings(self.args)  # edited since construction?
         self._attach_alternation()
         try:
             return super().train(*args, **kwargs)
@@ -477,24 +455,11 @@ class DPTrainer(Trainer):
             self._release()
 
     def _attach_alternation(self) -> None:
-        """peft_lalora's controller on this Trainer, given the active LALoRA adapter's schedule; it freezes factors
-        with ``set_trainable`` (per-sample state included). A removed controller's callback does not count."""
-        lalora = sys.modules.get("peft_lalora")
-        if not self.alternation or lalora is None:
-            return
-        callbacks = self.callback_handler.callbacks
-        if any(isinstance(cb, lalora.LALoraTrainerCallback) and cb.controller is not None for cb in callbacks):
-            return
-        configs = getattr(self.model, "peft_config", None)
-        if not (isinstance(configs, dict) and any(isinstance(c, lalora.LALoraConfig) for c in configs.values())):
-            return
-        active = getattr(self.model, "active_adapters", None) or list(configs)
-        names = [active] if isinstance(active, str) else list(active)
-        schedules = {configs[n].schedule for n in names if isinstance(configs.get(n), lalora.LALoraConfig)}
-        if len(schedules) == 1:
-            self.controller = lalora.AlternationController(self.model, self, schedule=schedules.pop())
-        else:  # no active LALoRA adapter, or several that disagree: the controller says which
-            self.controller = lalora.AlternationController(self.model, self)
+        """The alternation controller an installed plugin attaches to this Trainer (``args.alternation``; the
+        ``opacus_spectral_alternation_controller`` hook, which peft-lalora implements for a LALoRA model)."""
+        attached = alternation_controller(self) if self.args.alternation else None
+        if attached is not None:
+            self.controller = attached
 
     def _release(self) -> None:
         if self._dp is not None:
@@ -511,10 +476,10 @@ class DPTrainer(Trainer):
             "mechanism": self.privacy_engine.accountant.mechanism(),
             "noise_multiplier": float(self.noise_multiplier),
             "sample_rate": float(self.sample_rate),
-            "max_grad_norm": self.max_grad_norm,
-            "target_delta": float(self.target_delta),
-            "target_epsilon": None if self.target_epsilon is None else float(self.target_epsilon),
-            "grad_sample_mode": self.grad_sample_mode,
+            "per_sample_max_grad_norm": float(self.args.per_sample_max_grad_norm),
+            "target_delta": float(self.args.target_delta),
+            "target_epsilon": None if self.args.target_epsilon is None else float(self.args.target_epsilon),
+            "grad_sample_mode": self.args.grad_sample_mode,
             "denoisers": None if handle is None else [denoiser_name(d) for d in handle.denoisers],
         }
 
@@ -537,13 +502,14 @@ class DPTrainer(Trainer):
         """The Trainer's save (adapter, config), and beside it the model's privacy record (``privacy_record.json``)."""
         super()._save(output_dir, state_dict)
         if self.args.should_save and privacy_record_of(self.model) is not None:
-            save_privacy_record(self.model, output_dir or self.args.output_dir, delta=self.target_delta)
+            save_privacy_record(self.model, output_dir or self.args.output_dir, delta=self.args.target_delta)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         self._resume = read_checkpoint(resume_from_checkpoint)
-        if self.noise_seed is not None:  # new streams for the resumed steps, not a replay of the first steps' noise
+        seed = self.args.noise_seed
+        if seed is not None:  # new streams for the resumed steps, not a replay of the first steps' noise
             step = int(self._resume.dp["global_step"])
-            self.privacy_engine.noise_source = NoiseSource(resumed_noise_seed(self.noise_seed, step))
+            self.privacy_engine.noise_source = NoiseSource(resumed_noise_seed(seed, step))
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _restore(self, evidence: Any) -> None:
@@ -555,6 +521,27 @@ class DPTrainer(Trainer):
         restore_record(self.privacy_engine, evidence.dp.get(RECORD_STATE_KEY))
         if evidence.dp["post_hooks"] is not None:
             self.privacy_engine.post_hooks.load_state_dict(evidence.dp["post_hooks"])
+
+
+#: DPTrainingArguments' own fields, and the old per-example bound's name (a DPTrainer keyword once)
+_DP_FIELDS = {f.name for f in fields(DPTrainingArguments)} - {f.name for f in fields(TrainingArguments)}
+
+
+def _check_arguments(args: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a DPTrainer without :class:`DPTrainingArguments`, or with a DP setting given to the Trainer itself."""
+    misplaced = sorted(set(kwargs) & (_DP_FIELDS | {"max_grad_norm"}))
+    if misplaced:
+        hint = " (the per-example bound is per_sample_max_grad_norm)" if "max_grad_norm" in misplaced else ""
+        raise TypeError(
+            f"DPTrainer got {misplaced}: DP settings are DPTrainingArguments fields, "
+            f"DPTrainer(args=DPTrainingArguments(..., {misplaced[0]}=...)){hint}"
+        )
+    if not isinstance(args, DPTrainingArguments):
+        got = "no args" if args is None else type(args).__name__
+        raise TypeError(
+            "DPTrainer needs args=DPTrainingArguments(...) (TrainingArguments plus the DP settings: target_delta, "
+            f"target_epsilon or noise_multiplier, per_sample_max_grad_norm, ...); got {got}"
+        )
 
 
 def _logits(outputs: Any) -> torch.Tensor:

@@ -57,8 +57,8 @@ def _timed(callback: Any) -> bool:
 
 def install_progress(trainer: Any) -> None:
     """Replace every timed progress bar among ``trainer``'s callbacks by one :class:`DPProgressCallback` (none is
-    added where there was none: ``disable_tqdm=True``), unless ``trainer.release_nonprivate_stats``."""
-    if trainer.release_nonprivate_stats:
+    added where there was none: ``disable_tqdm=True``), unless ``release_nonprivate_stats``."""
+    if trainer.args.release_nonprivate_stats:
         return
     handler = trainer.callback_handler
     timed = [cb for cb in handler.callbacks if _timed(cb)]

@@ -40,13 +40,13 @@ __all__ = [
 ]
 
 DP_STATE_FILE = "opacus_spectral_dp.pt"
-FORMAT = 2
+FORMAT = 3  #: 3: the clipping bound is "per_sample_max_grad_norm" (DPTrainingArguments)
 #: the DP set-up a resumed run must share with its checkpoint
 COMPARED = (
     "mechanism",
     "noise_multiplier",
     "sample_rate",
-    "max_grad_norm",
+    "per_sample_max_grad_norm",
     "target_delta",
     "target_epsilon",
     "grad_sample_mode",

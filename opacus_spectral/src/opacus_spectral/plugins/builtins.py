@@ -1,41 +1,55 @@
 """Built-in denoisers, registered through the ``opacus_spectral`` entry-point group like any plugin.
 
-The classes are imported only when a user asks for them, so a problem in one never affects the others.
+The classes are imported only when a user asks for them, so a problem in one never affects the others. Each factory's
+signature is its class's — with the settings ``rmt`` takes as keywords in place of its ``**options`` — so the registry
+names a misspelt keyword with the valid ones.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..hookspecs import hookimpl
 
-
-def _rmt(**kwargs: Any) -> Any:
-    from ..denoisers.rmt import RMTDenoiser
-
-    return RMTDenoiser(**kwargs)
+_RMT_FIELDS = ("..denoisers.rmt.settings", "FIELDS")  # what RMTDenoiser's **options accept
 
 
-def _rmt_paper(**kwargs: Any) -> Any:
-    """Paper A's exact setting (κ = 1.02 gate, rescale to the noisy norm); other options as ``"rmt"``."""
-    from ..denoisers.rmt import PAPER_SETTING, RMTDenoiser
+class _Lazy:
+    """``cls`` of ``module`` (relative to this package) built with ``preset`` — the name of a settings mapping in that
+    module — under the caller's keywords; ``options``: ``(module, attribute)`` of the names its ``**options`` take."""
 
-    return RMTDenoiser(**{**PAPER_SETTING, **kwargs})
+    def __init__(
+        self, module: str, cls: str, *, preset: str | None = None, options: tuple[str, str] | None = None
+    ) -> None:
+        self._module, self._cls, self._preset, self._options = module, cls, preset, options
 
+    def _attr(self, name: str, module: str | None = None) -> Any:
+        return getattr(importlib.import_module(module or self._module, __package__), name)
 
-def _ema(**kwargs: Any) -> Any:
-    from ..denoisers.ema import EMADenoiser
+    def __call__(self, **kwargs: Any) -> Any:
+        preset = self._attr(self._preset) if self._preset else {}
+        return self._attr(self._cls)(**{**preset, **kwargs})
 
-    return EMADenoiser(**kwargs)
-
-
-def _lowpass(**kwargs: Any) -> Any:
-    from ..denoisers.lowpass import LowPassDenoiser
-
-    return LowPassDenoiser(**kwargs)
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self._attr(self._cls))
+        if self._options is None:
+            return signature
+        module, attr = self._options
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in sorted(self._attr(attr, module))]
+        return signature.replace(parameters=own + extra)
 
 
 @hookimpl
 def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:
-    return {"rmt": _rmt, "rmt_paper": _rmt_paper, "lowpass": _lowpass, "ema": _ema}
+    return {
+        "rmt": _Lazy("..denoisers.rmt", "RMTDenoiser", options=_RMT_FIELDS),
+        # paper A's exact setting (κ = 1.02 gate, rescale to the noisy norm); other options as "rmt"
+        "rmt_paper": _Lazy("..denoisers.rmt", "RMTDenoiser", preset="PAPER_SETTING", options=_RMT_FIELDS),
+        "lowpass": _Lazy("..denoisers.lowpass", "LowPassDenoiser"),
+        "ema": _Lazy("..denoisers.ema", "EMADenoiser"),
+    }

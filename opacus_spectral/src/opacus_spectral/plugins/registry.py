@@ -15,7 +15,9 @@ A factory that raises (or returns something that is not callable) when ``post_ho
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -208,6 +210,8 @@ class Registry:
             broken = [e.plugin for e in self._errors]
             if broken:
                 hint = f"; plugins that failed to load: {', '.join(sorted(set(broken)))}"
+            guess = _closest(name, table)
+            hint += f". Did you mean {guess!r}?" if guess else ""
             raise ValueError(f"unknown denoiser {name!r}; available: {known}{hint}")
         return _build(table[name], kwargs)
 
@@ -259,10 +263,37 @@ def _parse_roles(answer: Any) -> dict[str, ParameterRole]:
     return out
 
 
+def _closest(name: str, valid: Iterable[str]) -> str | None:
+    """The valid name closest to a misspelt one (``None``: none is close)."""
+    close = difflib.get_close_matches(name, sorted(valid), n=1)
+    return close[0] if close else None
+
+
+def factory_keywords(factory: Callable[..., Any]) -> list[str] | None:
+    """The keywords a denoiser factory takes, from its signature; ``None`` when it takes any (``**kwargs``) or has
+    no signature to read."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return sorted(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def _build(info: DenoiserInfo, kwargs: Mapping[str, Any]) -> DenoiserProtocol:
-    """``info.factory(**kwargs)``; any failure (``sys.exit()`` too) as a :class:`DenoiserBuildError`."""
+    """``info.factory(**kwargs)``; a keyword the factory does not take, and any failure (``sys.exit()`` too), as a
+    :class:`DenoiserBuildError`."""
     src = f"plugin {info.plugin!r}" + (f", distribution {info.distribution!r}" if info.distribution else "")
     where = f"building denoiser {info.name!r} ({src}) with {dict(kwargs)!r}"
+    valid = factory_keywords(info.factory)
+    unknown = sorted(set(kwargs) - set(valid)) if valid is not None else []
+    if valid is not None and unknown:
+        guess = _closest(unknown[0], valid)
+        text = f"{where}: {info.name!r} has no keyword {unknown[0]!r}" + (
+            f"; did you mean {guess!r}?" if guess else "."
+        )
+        raise DenoiserBuildError(f"{text} Its keywords: {', '.join(valid)}")
     try:
         denoiser = info.factory(**kwargs)
     except KeyboardInterrupt:
@@ -303,6 +334,14 @@ def available_denoisers() -> dict[str, DenoiserInfo]:
 def load_errors() -> list[LoadError]:
     """Plugins (or hooks) that were skipped, and why."""
     return get_registry().errors()
+
+
+def alternation_controller(trainer: Any) -> Any | None:
+    """The alternation controller a plugin attaches to ``trainer`` (the ``opacus_spectral_alternation_controller``
+    hook), or ``None``. Unguarded, unlike the other hooks: a controller refusing the set-up raises to the user."""
+    registry = get_registry()
+    registry.load()
+    return registry.pm.hook.opacus_spectral_alternation_controller(trainer=trainer)
 
 
 def create_denoisers(hooks: Sequence[DenoiserSpec] | None, registry: Registry | None = None) -> list[DenoiserProtocol]:

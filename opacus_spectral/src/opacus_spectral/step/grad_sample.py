@@ -101,6 +101,22 @@ class SafeGradSampleModuleFastGradientClipping(_GhostAlternationSafe, GradSample
     """Ghost-clipping ``GradSampleModule`` that tolerates parameter toggling."""
 
 
+def refuse_upstream_toggling(model: nn.Module, what: str, alternative: str) -> None:
+    """``ValueError`` if ``model`` carries upstream Opacus' per-sample hooks rather than these alternation-safe ones
+    (made private by ``opacus.PrivacyEngine``): ``what`` would freeze a layer between steps, and at the next backward
+    its hook finds no activations (``docs/upstream.md`` §1.4)."""
+    for module in model.modules():
+        for hook in module._forward_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, GradSampleHooks) and not isinstance(owner, _AlternationSafe):
+                raise ValueError(
+                    f"{what} freezes parameters between steps, but the model was made private by opacus.PrivacyEngine, "
+                    'whose per-sample hooks fail on a layer frozen after make_private ("No activations detected" at '
+                    "the next backward). Fix: make it private with opacus_spectral.PrivacyEngine() instead (a drop-in: "
+                    f"the same make_private arguments), or use {alternative}."
+                )
+
+
 def safe_class(grad_sample_mode: str, wrap_model: bool) -> type | None:
     """The alternation-safe class for a mode, or None where upstream's is used as is ("ew", "no_op")."""
     if grad_sample_mode in ("hooks", "functorch"):

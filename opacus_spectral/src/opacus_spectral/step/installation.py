@@ -8,7 +8,8 @@ logical step (BatchMemoryManager's virtual steps never reach the inner optimizer
 
 An inner step to which Opacus added noise (the attachment's ``InnerStep.noised``) is a *logical step*;
 :attr:`PostHookHandle.logical_steps` counts them, and callbacks added with :meth:`PostHookHandle.add_step_callback`
-run after each one (at ``AFTER_STEP``). An inner step without noise is skipped, counted and warned about once.
+run after each one (at ``AFTER_STEP``). An inner step without noise is skipped and counted
+(``diagnostics.skipped``); the doctor reports it (:mod:`~opacus_spectral.doctor.doctor`, check ``accounting``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from opacus.optimizers import DPOptimizer, FSDPOptimizerFastGradientClipping
+from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -155,15 +156,8 @@ class PostHookHandle:
         self._completed = None
         if not step.noised or sigma is None:
             # Opacus' pre_step did not run (the inner optimizer was stepped directly): p.grad holds no DP noise,
-            # so a denoiser must not see it. Skip, warn once, count.
+            # so a denoiser must not see it. Skip and count; the doctor reports it (its "accounting" check).
             self.pipeline.diagnostics.skipped += 1
-            if self.pipeline.diagnostics.skipped == 1:
-                warnings.warn(
-                    "the inner optimizer stepped without Opacus adding noise (DPOptimizer.step was bypassed); "
-                    "the denoiser pipeline was skipped for that step",
-                    RuntimeWarning,
-                    stacklevel=external_stacklevel(),
-                )
             return
         index = self._logical_steps
         self._logical_steps += 1
@@ -217,16 +211,14 @@ def install_fresh_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
         p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
-def _check_supported(dp_optimizer: Any) -> None:
-    if not isinstance(dp_optimizer, DPOptimizer):
-        raise TypeError(
-            f"install_post_hooks needs an Opacus DPOptimizer (from make_private), got {type(dp_optimizer).__name__}"
-        )
-    if isinstance(dp_optimizer, FSDPOptimizerFastGradientClipping):
-        raise NotImplementedError(
-            "FSDP (grad_sample_mode='ghost_fsdp') is not supported by opacus_spectral v1: its gradients are sharded "
-            "DTensors and a spectral denoiser needs each full matrix. Use DDP, or train without post_hooks."
-        )
+def remove_pipeline(optimizer: Any) -> bool:
+    """Remove the pipeline installed on ``optimizer`` (a DPOptimizer or its inner optimizer), if any; whether there
+    was one. What a new ``make_private`` and :func:`install_post_hooks` do with the previous pipeline."""
+    inner = getattr(optimizer, "original_optimizer", optimizer)
+    old = getattr(inner, HANDLE_ATTR, None)
+    if old is not None:
+        old.remove()
+    return old is not None
 
 
 def install_post_hooks(
@@ -244,7 +236,8 @@ def install_post_hooks(
     """Install a pipeline that runs the denoisers ``hooks`` (the ``post_hooks`` list), in order, every logical step.
 
     Args:
-        dp_optimizer: an Opacus ``DPOptimizer`` (any subclass except FSDP).
+        dp_optimizer: an Opacus ``DPOptimizer`` (any subclass but FSDP's, which the engine refuses:
+            :func:`~opacus_spectral.engine.refuse_fsdp`).
         hooks: the denoisers, as registered names, ``(name, kwargs)`` pairs or denoiser callables
             (:data:`~opacus_spectral.plugins.registry.DenoiserSpec`); ``[]`` installs a pipeline that leaves gradients
             bit-identical.
@@ -257,19 +250,23 @@ def install_post_hooks(
         oracle: record cos(noisy, clean) vs cos(denoised, clean) each step (benchmarks; costs syncs).
         history: how many steps of diagnostics to keep.
     """
-    _check_supported(dp_optimizer)
+    from ..engine import refuse_fsdp  # noqa: PLC0415 - the engine owns its refusals (and imports this module)
+
+    if not isinstance(dp_optimizer, DPOptimizer):
+        raise TypeError(
+            f"install_post_hooks needs an Opacus DPOptimizer (from make_private), got {type(dp_optimizer).__name__}"
+        )
+    refuse_fsdp(optimizer=dp_optimizer)
     if oracle and world_size(dp_optimizer) > 1:
         raise ValueError("oracle diagnostics need the clean gradient, which DDP ranks never share; use oracle=False")
     reg = registry or get_registry()
     denoisers = create_denoisers(hooks, reg)
     for message in combination_advice(dp_optimizer.original_optimizer, denoisers):
         warnings.warn(message, DenoiserAdviceWarning, stacklevel=external_stacklevel())
-    old = getattr(dp_optimizer.original_optimizer, HANDLE_ATTR, None)
-    if old is not None:
+    if remove_pipeline(dp_optimizer):
         warnings.warn(
             "replacing the denoiser pipeline previously installed on this optimizer", RuntimeWarning, stacklevel=2
         )
-        old.remove()
     pipeline = PostNoisePipeline(
         denoisers,
         on_error=on_error,

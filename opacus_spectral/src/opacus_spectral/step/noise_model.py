@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..denoisers.base import DenoiserProtocol, declares_noise, selects_record
+from ..denoisers.base import Denoiser, DenoiserProtocol
 from .parameters import ParamInfo
 from .records import NOISE_COLORED, NOISE_ISOTROPIC, NOISE_UNKNOWN, NoisyGradient
 
@@ -73,9 +73,11 @@ class NoiseState:
                 self.undeclared[k] = dname
             self.kinds[k] = NOISE_UNKNOWN
 
-    def switch_off(self, d: DenoiserProtocol, dname: str, infos: Sequence[ParamInfo]) -> str:
-        """Why ``d`` (``needs_isotropic_noise``) will skip records an undeclared callable made unknown ('' if not)."""
-        hit = [i.name for i, by in zip(infos, self.undeclared, strict=True) if by is not None and _selects(d, i)]
+    def switch_off(self, dname: str, infos: Sequence[ParamInfo], index: Sequence[int] | None) -> str:
+        """Why the denoiser ``dname`` (``needs_isotropic_noise``), handed the records at ``index`` (its selection;
+        ``None``: all), will skip records an undeclared callable made unknown ('' if not)."""
+        handed = range(len(infos)) if index is None else index
+        hit = [infos[k].name for k in handed if self.undeclared[k] is not None]
         if not hit:
             return ""
         earlier = ", ".join(repr(n) for n in dict.fromkeys(by for by in self.undeclared if by is not None))
@@ -87,12 +89,10 @@ class NoiseState:
         )
 
 
-def _selects(d: DenoiserProtocol, info: ParamInfo) -> bool:
-    """Whether ``d`` selects ``info``; a failing selector counts as selecting (the warning is then kept)."""
-    try:
-        return selects_record(d, info.name, info.role)
-    except Exception:  # noqa: BLE001 - a broken selector must not abort the step before the denoiser runs
-        return True
+def declares_noise(d: object) -> bool:
+    """Whether ``d`` declares its output noise: it has an ``output_noise`` other than :class:`Denoiser`'s default."""
+    declare = getattr(d, "output_noise", None)
+    return declare is not None and getattr(declare, "__func__", None) is not Denoiser.output_noise
 
 
 def _declaration(d: DenoiserProtocol, records: Sequence[NoisyGradient]) -> tuple[list[Any], str]:

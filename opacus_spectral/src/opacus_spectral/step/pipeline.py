@@ -44,19 +44,21 @@ from typing import Any, Literal
 
 import torch
 
-from ..denoisers.base import DenoiserProtocol, GradientEstimator, declared_selector, denoiser_name, published_stats
+from ..denoisers.base import DenoiserProtocol, GradientEstimator, denoiser_name
 from ..errors import DenoiserError, NonFiniteGradientError
 from .noise_model import NoiseState
 from .oracle import cosine
 from .parameters import ParamInfo
 from .records import NoisyGradient
-from .validation import TensorSpec, noise_norms, output_bounds, output_problem
+from .selection import declared_selector
+from .validation import TensorSpec, noise_norms, output_bounds, output_problem, stacked_norms
 
 OnError = Literal["raise", "fallback"]
 OnNonFinite = Literal["raise", "skip_step", "ignore"]
 
 #: default bound on a denoiser's output norm, per tensor, in units of max(its noisy gradient norm, its noise norm)
 DEFAULT_MAX_OUTPUT_RATIO = 1e3
+_FAILED = object()  #: a denoiser whose selection raised (it falls back as a whole)
 
 
 @dataclass
@@ -88,14 +90,6 @@ class PipelineDiagnostics:
     @property
     def last(self) -> StepDiagnostics | None:
         return self.history[-1] if self.history else None
-
-
-def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
-    """Per-tensor norms in float32, one fused call (inf/nan propagate; empty tensors have norm 0)."""
-    if not tensors:
-        return torch.zeros(0)
-    norms = torch._foreach_norm([t if t.numel() else t.new_zeros(1) for t in tensors], order, dtype=torch.float32)
-    return torch.stack([n.to(tensors[0].device) for n in norms])
 
 
 def _splice(current: Sequence[torch.Tensor], index: Sequence[int], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,7 +147,7 @@ class PostNoisePipeline:
         return names
 
     def check_selection(self, infos: Sequence[ParamInfo]) -> None:
-        """Warn once per denoiser whose declared selector (:func:`~opacus_spectral.denoisers.base.declared_selector`)
+        """Warn once per denoiser whose declared selector (:func:`~opacus_spectral.step.selection.declared_selector`)
         matches none of ``infos``."""
         for d, dname in zip(self.denoisers, self.names, strict=True):
             selector = declared_selector(d)
@@ -240,7 +234,7 @@ class PostNoisePipeline:
         current = [g.detach() for g in grads]
         specs = [TensorSpec.of(t) for t in current]  # what every denoiser's outputs must match
         checked = bool(current) and (bool(self.denoisers) or self.on_nonfinite_grad != "ignore")
-        in_finite = torch.isfinite(_norms(current, float("inf"))) if checked else None
+        in_finite = torch.isfinite(stacked_norms(current, float("inf"))) if checked else None
         if in_finite is not None and self.on_nonfinite_grad != "ignore" and not bool(in_finite.all()):  # one sync
             return self._nonfinite(diag, infos, in_finite, t_start)
         checks = None
@@ -249,50 +243,79 @@ class PostNoisePipeline:
         noisy_ref = [g.clone() for g in current] if self.oracle else None
         noise = NoiseState(len(current), sigma)  # the noise each record carries, as the denoisers declare it
         for d, dname in zip(self.denoisers, self.names, strict=True):
-            t0 = time.perf_counter()
-            if getattr(d, "needs_isotropic_noise", False) and ("", "switch-off") not in self._warned:
-                self._warn_once("", "switch-off", noise.switch_off(d, dname, infos))
-            inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
-            records = noise.records(infos, inputs, self.step)
-            self.diagnostics.calls[dname] += 1
-            entry: dict[str, Any] = {"fallbacks": 0}
-            applied = self._apply(d, dname, records, current, specs, checks, infos, entry)
-            if applied is None:  # fallback for the whole denoiser
-                entry["fallbacks"] = len(current)
-                diag.denoisers[dname] = entry
-                continue
-            new, index = applied
-            handed = range(len(current)) if index is None else index
-            kept = [new[k] is current[k] for k in handed]  # fallback: the input was kept
-            n_fb = sum(kept) if self.on_error == "fallback" else 0
-            entry["fallbacks"] = n_fb
-            self._warn_once(dname, "declare", noise.apply(d, dname, [records[k] for k in handed], kept, index))
-            current = new
-            entry["seconds"] = time.perf_counter() - t0
-            extra = published_stats(d)
-            if extra:
-                entry.update(extra)
-            diag.denoisers[dname] = entry
+            current = self._run_one(d, dname, noise, current, specs, checks, infos, diag)
         if self.oracle and clean is not None and noisy_ref is not None:
             diag.oracle = self._oracle(infos, noisy_ref, current, clean)
         self._finish(diag, t_start)
         return current
+
+    def _run_one(
+        self,
+        d: DenoiserProtocol,
+        dname: str,
+        noise: NoiseState,
+        current: list[torch.Tensor],
+        specs: Sequence[TensorSpec],
+        checks: tuple[torch.Tensor, torch.Tensor] | None,
+        infos: Sequence[ParamInfo],
+        diag: StepDiagnostics,
+    ) -> list[torch.Tensor]:
+        """One denoiser on the step's tensors — its selection (made here, once), its call, the noise it declares —
+        and the tensors after it (``current`` when it falls back as a whole)."""
+        t0 = time.perf_counter()
+        self.diagnostics.calls[dname] += 1
+        entry: dict[str, Any] = {"fallbacks": len(current)}  # a whole-denoiser fallback unless it completes
+        diag.denoisers[dname] = entry
+        index = self._selected(d, dname, infos, entry)
+        if index is _FAILED:
+            return current
+        if getattr(d, "needs_isotropic_noise", False) and ("", "switch-off") not in self._warned:
+            self._warn_once("", "switch-off", noise.switch_off(dname, infos, index))
+        inputs = [t.clone() for t in current] if self.on_error == "fallback" else current
+        records = noise.records(infos, inputs, self.step)
+        new = self._apply(d, dname, records, index, current, specs, checks, infos, entry)
+        if new is None:
+            return current
+        handed = range(len(current)) if index is None else index
+        kept = [new[k] is current[k] for k in handed]  # fallback: the input was kept
+        entry["fallbacks"] = sum(kept) if self.on_error == "fallback" else 0
+        self._warn_once(dname, "declare", noise.apply(d, dname, [records[k] for k in handed], kept, index))
+        entry["seconds"] = time.perf_counter() - t0
+        stats = getattr(d, "stats", None)  # the per-step numbers it published
+        entry.update(stats if isinstance(stats, dict) else {})
+        return new
+
+    def _selected(self, d: DenoiserProtocol, dname: str, infos: Sequence[ParamInfo], entry: dict[str, Any]) -> Any:
+        """:meth:`selection`, the step's one selection for ``d``; a selector that raises goes through the error
+        policy (``_FAILED``: the whole denoiser falls back)."""
+        try:
+            return self.selection(d, infos)
+        except (DenoiserError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken selector is a denoiser failure
+            self._failed(dname, exc, entry)
+            return _FAILED
+
+    def _failed(self, dname: str, exc: BaseException, entry: dict[str, Any]) -> None:
+        self.diagnostics.errors[dname] += 1
+        self._bad(dname, None, f"raised {type(exc).__name__}: {exc}", exc)
+        entry["error"] = f"{type(exc).__name__}: {exc}"
 
     def _apply(
         self,
         d: DenoiserProtocol,
         dname: str,
         records: Sequence[NoisyGradient],
+        index: list[int] | None,
         current: list[torch.Tensor],
         specs: Sequence[TensorSpec],
         checks: tuple[torch.Tensor, torch.Tensor] | None,
         infos: Sequence[ParamInfo],
         entry: dict[str, Any],
-    ) -> tuple[list[torch.Tensor], list[int] | None] | None:
-        """Hand ``d`` the records it selects and validate what it returns: the step's tensors after it and the
-        indices it was handed (``None``: all); ``None`` when the whole denoiser falls back."""
+    ) -> list[torch.Tensor] | None:
+        """Hand ``d`` the records at ``index`` (its selection; ``None``: all) and validate what it returns: the step's
+        tensors after it; ``None`` when the whole denoiser falls back."""
         try:
-            index = self.selection(d, infos)
             if index is None:
                 handed, refs, spec = records, current, specs
             else:
@@ -306,19 +329,17 @@ class PostNoisePipeline:
                 new = _splice(current, index, new)
             if checks is not None:
                 self._check_values(dname, new, current, *checks, infos)
-            return new, index
+            return new
         except (DenoiserError, KeyboardInterrupt):
             raise
         except BaseException as exc:  # noqa: BLE001 - every denoiser failure goes through the policy
-            self.diagnostics.errors[dname] += 1
-            self._bad(dname, None, f"raised {type(exc).__name__}: {exc}", exc)
-            entry["error"] = f"{type(exc).__name__}: {exc}"
+            self._failed(dname, exc, entry)
             return None
 
     def _warn_once(self, dname: str, key: str, msg: str) -> None:
         if msg and (dname, key) not in self._warned:
             self._warned.add((dname, key))
-            warnings.warn(msg, RuntimeWarning, stacklevel=5)
+            warnings.warn(msg, RuntimeWarning, stacklevel=6)
 
     def _finish(self, diag: StepDiagnostics, t_start: float) -> None:
         diag.seconds = time.perf_counter() - t_start
@@ -357,7 +378,7 @@ class PostNoisePipeline:
         if self._noise_norms is None or self._noise_norms[0] != key:
             numels = [t.numel() for t in current]
             self._noise_norms = (key, noise_norms(numels, sigma, in_finite.device))
-        return output_bounds(_norms(current, 2.0), in_finite, self._noise_norms[1], self.max_output_ratio)
+        return output_bounds(stacked_norms(current, 2.0), in_finite, self._noise_norms[1], self.max_output_ratio)
 
     def _outputs(self, dname: str, records: Sequence[NoisyGradient], result: Any) -> list[Any] | None:
         """One output per record (``None`` entries keep the record's tensor); ``None`` if unusable (fallback)."""
@@ -405,8 +426,8 @@ class PostNoisePipeline:
         input was non-finite, under ``on_nonfinite_grad="ignore"``), fall under the policy."""
         if not new:
             return
-        out_finite = torch.isfinite(_norms(new, float("inf")))
-        out_norm = _norms(new, 2.0)
+        out_finite = torch.isfinite(stacked_norms(new, float("inf")))
+        out_norm = stacked_norms(new, 2.0)
         bad = (in_finite & ~out_finite) | (out_finite & (out_norm > bound))
         if bool(bad.any()):  # one host-device sync per denoiser and step
             for i in bad.nonzero().flatten().tolist():

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ParamFilter", "Selector", "describe_param_filter", "resolve_param_filter", "resolve_roles"]
+__all__ = [
+    "ParamFilter",
+    "Selector",
+    "declared_selector",
+    "describe_param_filter",
+    "resolve_param_filter",
+    "resolve_roles",
+]
 
 #: ``params=``: a name substring, substrings (any match selects), or a predicate on the qualified name.
 ParamFilter = str | Sequence[str] | Callable[[str], bool] | None
@@ -104,3 +111,10 @@ class Selector:
     def __str__(self) -> str:
         roles = "all roles" if self.roles is None else f"roles={sorted(self.roles)}"
         return f"{roles}, {describe_param_filter(self.params)}"
+
+
+def declared_selector(d: object) -> Selector | None:
+    """The :class:`Selector` the pipeline applies for the denoiser ``d`` (its ``selector`` attribute); ``None`` hands
+    it every record (a plain callable declares none)."""
+    selector = getattr(d, "selector", None)
+    return selector if isinstance(selector, Selector) else None

@@ -22,7 +22,28 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["TensorSpec", "noise_norms", "output_bounds", "output_problem", "storage_fits"]
+__all__ = [
+    "TensorSpec",
+    "noise_norms",
+    "output_bounds",
+    "output_problem",
+    "stacked_norms",
+    "storage_fits",
+    "tensor_norms",
+]
+
+
+def tensor_norms(tensors: Sequence[torch.Tensor], order: float) -> list[torch.Tensor]:
+    """Float32 norms of ``tensors`` from one fused ``torch._foreach_norm`` (the fused-norm helper of the pipeline's
+    checks and the doctor's): 0-d tensors, each on its input's device; an empty tensor's is 0; NaN/Inf propagate."""
+    return list(torch._foreach_norm([t if t.numel() else t.new_zeros(1) for t in tensors], order, dtype=torch.float32))
+
+
+def stacked_norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
+    """:func:`tensor_norms` as one tensor on the first input's device (empty for no input)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.stack([n.to(tensors[0].device) for n in tensor_norms(tensors, order)])
 
 
 class TensorSpec(NamedTuple):

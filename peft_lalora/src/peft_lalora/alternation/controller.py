@@ -7,8 +7,10 @@ The controller counts *real* optimizer steps: ``register_step_post_hook`` of a t
 ``dp_optimizer.original_optimizer``, which BatchMemoryManager's virtual steps never reach; ``docs/upstream.md``
 §1.3); or ``on_optimizer_step`` of an HF ``Trainer``. After each counted step it applies the next phase with
 :func:`~peft_lalora.alternation.factors.apply_phase`: the frozen factor gets ``requires_grad=False`` and ``grad=None``
-(so AdamW moments and weight decay leave it untouched); under Opacus (a ``DPOptimizer`` or ``opacus_spectral``'s
-``DPTrainer``) ``opacus_spectral.set_trainable`` also drops its per-sample state (``docs/upstream.md`` §1.4).
+(so AdamW moments and weight decay leave it untouched); under Opacus ``opacus_spectral.set_trainable`` also drops its
+per-sample state (``docs/upstream.md`` §1.4): for a ``DPOptimizer``, and for a Trainer that offers its own
+``set_trainable`` (``opacus_spectral``'s ``DPTrainer``, which attaches a controller itself through the
+``opacus_spectral_alternation_controller`` hook: ``peft_lalora.dp.trainer``).
 
 Rounds: :meth:`AlternationController.start_round` takes Flower's 1-based ``server_round``; the schedule round
 ``t`` of the table (:attr:`AlternationController.round`, and the state's ``"round"``) is ``server_round - 1``.
@@ -16,7 +18,6 @@ Rounds: :meth:`AlternationController.start_round` takes Flower's 1-based ``serve
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -54,14 +55,10 @@ def _dp_set_trainable() -> SetTrainable:
     except ImportError as exc:
         raise ImportError(
             "AlternationController on an Opacus DPOptimizer needs opacus-spectral (alternation-safe per-sample "
-            "state handling). Install it with `pip install peft-lalora[dp]`."
+            "state handling). Install it from a clone: pip install -c constraints.txt './peft_lalora[dp]' "
+            "./opacus_spectral (README, Install)."
         ) from exc
     return set_trainable
-
-
-def _is_dp_trainer(trainer: object) -> bool:
-    hf = sys.modules.get("opacus_spectral.hf.dp_trainer")  # imported by whoever built a DPTrainer
-    return hf is not None and isinstance(trainer, hf.DPTrainer)
 
 
 class AlternationController:
@@ -85,8 +82,10 @@ class AlternationController:
 
     Raises:
         ValueError: unknown mode/factor, no LoRA factors, factors missing from the optimizer, an Opacus
-            per-layer clipping optimizer with a mode that freezes factors, or an optimizer (Trainer) that already
-            has a controller (``remove()`` that one first).
+            per-layer clipping optimizer or a DPOptimizer of ``opacus.PrivacyEngine`` with a mode that freezes
+            factors, or an optimizer (Trainer) that already has a controller (``remove()`` that one first).
+        RuntimeError: at the first step, a torch optimizer that steps inside a DPOptimizer (the controller was
+            created before ``make_private``) with a mode that freezes factors.
         TypeError: ``schedule`` together with ``mode``/``first_factor``, or not an ``AlternationSchedule``.
         ImportError: a DPOptimizer without opacus-spectral installed.
     """
@@ -116,10 +115,11 @@ class AlternationController:
         self.round_started = False  #: whether start_round() was called at least once
         self.total_steps = 0  #: optimizer steps counted since construction (across rounds)
         self._handle: Any = None
+        self._guard: Any = None  #: a torch optimizer's step pre-hook refusing a step inside a DPOptimizer
         self._callback: LALoraTrainerCallback | None = None
         self._owner: weakref.ref[Any] | None = None  #: the optimizer / Trainer this controller is attached to
         self._set_trainable: SetTrainable = set_requires_grad
-        self._attach(optimizer)
+        self._attach(optimizer, peft_model)
 
     @property
     def mode(self) -> AlternationMode:
@@ -164,15 +164,17 @@ class AlternationController:
             )
         return AlternationSchedule(mode, first_factor or "B")
 
-    def _attach(self, optimizer: Any) -> None:
+    def _attach(self, optimizer: Any, model: nn.Module) -> None:
         if optimizer is None:
             self._apply_phase()
             return
         if _is_trainer(optimizer):
             # The Trainer builds its optimizer in train(), from the params trainable *then*: keep both factors
-            # trainable now and apply the phase at on_train_begin.
-            if _is_dp_trainer(optimizer):
-                self._set_trainable = _dp_set_trainable()
+            # trainable now and apply the phase at on_train_begin. A Trainer that keeps per-sample state
+            # (opacus_spectral's DPTrainer) says how to freeze: its set_trainable.
+            trainer_freeze = getattr(optimizer, "set_trainable", None)
+            if callable(trainer_freeze):
+                self._set_trainable = trainer_freeze
             self._claim(optimizer, "Trainer")
             self._callback = LALoraTrainerCallback(self)
             optimizer.add_callback(self._callback)
@@ -184,19 +186,23 @@ class AlternationController:
             )
         self.check_optimizer(optimizer)
         if _is_dp_optimizer(optimizer):
-            self._attach_dp(optimizer)
+            self._attach_dp(optimizer, model)
         else:
             self._claim(optimizer, "optimizer")
             self._handle = optimizer.register_step_post_hook(self._on_optimizer_step)
+            if self.schedule.freezes:
+                self._guard = optimizer.register_step_pre_hook(self._refuse_dp_step)
         self._apply_phase()
 
-    def _attach_dp(self, dp_optimizer: Any) -> None:
+    def _attach_dp(self, dp_optimizer: Any, model: nn.Module) -> None:
         """Subscribe to the DPOptimizer's ``AFTER_STEP`` event (``opacus_spectral.step.attachment``)."""
         self._set_trainable = _dp_set_trainable()
         from opacus_spectral.step.attachment import AFTER_STEP, CONTROLLER, attachment, refuse_toggling
+        from opacus_spectral.step.grad_sample import refuse_upstream_toggling
 
         if self.schedule.freezes:
             refuse_toggling(dp_optimizer, f"alternation={self.mode!r}", "alternation='none'")
+            refuse_upstream_toggling(model, f"alternation={self.mode!r}", "alternation='none'")
         inner = dp_optimizer.original_optimizer  # virtual (BatchMemoryManager) steps never call its step()
         self._check_trainable_at_wrap_time(inner)
         self._claim(inner, "optimizer")
@@ -277,6 +283,18 @@ class AlternationController:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.advance(1)
 
+    def _refuse_dp_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before a step of the torch optimizer it was given: refuse one that Opacus took (a factor holds its clipped
+        sum), i.e. the optimizer was made private after this controller froze a factor, or is a DPOptimizer's inner."""
+        if any(getattr(f.param, "summed_grad", None) is not None for f in self.factors):
+            raise RuntimeError(
+                "AlternationController was created before make_private, on the torch optimizer (or given the "
+                "optimizer inside a DPOptimizer): Opacus hooked only the LoRA factors trainable at make_private, so "
+                "the factor this schedule trains next would get no per-sample gradient. Fix: call .remove() on this "
+                "controller (both factors trainable again), call make_private, then create the controller with the "
+                "DPOptimizer it returned: AlternationController(model, dp_optimizer)."
+            )
+
     def _on_dp_step(self, step: Any) -> None:
         self.advance(1)  # every inner step, as a torch post-hook counts them
 
@@ -290,9 +308,10 @@ class AlternationController:
         if owner is not None and _ATTACHED.get(owner) is self:
             del _ATTACHED[owner]
         self._owner = None
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in (self._handle, self._guard):
+            if handle is not None:
+                handle.remove()
+        self._handle = self._guard = None
         if self._callback is not None:
             self._callback.controller = None
             self._callback = None

@@ -1,7 +1,7 @@
 """opacus-spectral role plugin: tells denoisers which gradients are LoRA A / LoRA B, and of which layer.
 
 Loaded by opacus-spectral through the entry point ``[project.entry-points.opacus_spectral] peft_lalora =
-"peft_lalora.dp.roles"`` (never imported by ``import peft_lalora``), so importing opacus_spectral here is fine.
+"peft_lalora.dp.plugin"`` (never imported by ``import peft_lalora``), so importing opacus_spectral here is fine.
 With the roles, the ``lowpass`` denoiser smooths A ``(r, in_features)`` along input features and B
 ``(out_features, r)`` along output features, and RMT can be restricted to the LoRA factors.
 """

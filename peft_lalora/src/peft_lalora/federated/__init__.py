@@ -7,7 +7,8 @@ Modules: :mod:`~peft_lalora.federated.config` (the run's :class:`FederationConfi
 :mod:`~peft_lalora.federated.server.ledger`, the in-process runner :mod:`~peft_lalora.federated.simulation`, and the
 Flower deployment in the subpackage :mod:`~peft_lalora.federated.flower` (extra ``[flower]``).
 
-Heavy or optional dependencies are imported lazily: partitioning needs ``flwr-datasets`` and the Flower
+Every name is imported lazily (``import peft_lalora.federated`` imports no torch of its own), and so are heavy or
+optional dependencies: partitioning needs ``flwr-datasets`` and the Flower
 app needs ``flwr`` (extra ``[flower]``); the DP client needs ``opacus-spectral`` (extra ``[dp]``).
 """
 
@@ -16,10 +17,14 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .server.aggregate import AggregationError, AggregationResult, Rejection, fedavg, validate_update
-from .server.ledger import PrivacyLedger, epsilon_from_history
-
 _LAZY = {
+    "AggregationError": "server.aggregate",
+    "AggregationResult": "server.aggregate",
+    "Rejection": "server.aggregate",
+    "fedavg": "server.aggregate",
+    "validate_update": "server.aggregate",
+    "PrivacyLedger": "server.ledger",
+    "epsilon_from_history": "server.ledger",
     "Partition": "data.partition",
     "partition_dataset": "data.partition",
     "dirichlet_partition": "data.partition",
@@ -50,16 +55,7 @@ _LAZY = {
     "TLSConfig": "launcher",
 }
 
-__all__ = [
-    "AggregationError",
-    "AggregationResult",
-    "PrivacyLedger",
-    "Rejection",
-    "epsilon_from_history",
-    "fedavg",
-    "validate_update",
-    *_LAZY,
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .server.aggregate import NORM_POLICIES, RULES, trim_problem
 from .server.ledger import ACCOUNTANTS, check_accountant
+from .server.rules import NORM_POLICIES, RULES, trim_problem
 
 __all__ = [
     "ALGORITHMS",

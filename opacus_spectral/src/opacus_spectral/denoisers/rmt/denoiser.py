@@ -66,9 +66,9 @@ class RMTDenoiser(Denoiser):
     (:class:`~opacus_spectral.denoisers.rmt.RMTSettings`: a Tracy–Widom gate at 1e-3 and the clean-norm estimate by
     default; paper A's setting is :data:`~opacus_spectral.denoisers.rmt.PAPER_SETTING`, registered as ``"rmt_paper"``).
     Instead of ``settings=`` its fields may be given as keyword arguments (``RMTDenoiser(gate="kappa")``).
-    Records with ``sigma == 0``, 0-/1-D or empty tensors, noise that is not isotropic, or not matched by
-    :attr:`selector` are left alone; a non-finite matrix is left unchanged and counted (the engine validates
-    outputs).
+    The pipeline hands it the records its :attr:`selector` picks; of those, records with ``sigma == 0``, 0-/1-D or
+    empty tensors, or noise that is not isotropic are left alone; a non-finite matrix is left unchanged and counted
+    (the engine validates outputs).
 
     Args:
         settings: the :class:`~opacus_spectral.denoisers.rmt.RMTSettings` (default: its defaults).
@@ -125,8 +125,8 @@ class RMTDenoiser(Denoiser):
             raise TypeError(f"settings must be an RMTSettings, got {type(settings).__name__}")
         _check_limits(max_batch, max_chunk_bytes, max_extra_memory, warn_after)
         self.settings = settings
-        #: the records this denoiser acts on (the pipeline applies it; the isotropic-noise and ≥2-D conditions
-        #: are this denoiser's own, checked in :meth:`select`)
+        #: the records the pipeline hands this denoiser (the isotropic-noise and ≥2-D conditions are its own,
+        #: checked in :meth:`select` on what it is handed)
         self.selector = Selector(roles=resolve_roles(roles, DEFAULT_ROLES), params=params)
         self.max_batch = max_batch
         self.max_chunk_bytes = max_chunk_bytes
@@ -154,14 +154,11 @@ class RMTDenoiser(Denoiser):
     def params(self) -> ParamFilter:
         return self.selector.params
 
-    def selects(self, name: str, role: str) -> bool:
-        """``self.selector.matches(name, role)``."""
-        return self.selector.matches(name, role)
-
     def select(self, rec: NoisyGradient) -> Tensor | None:
-        """The matrix view of ``rec`` if this denoiser acts on it, else ``None`` (also for noise that is not
-        isotropic with a known std: the random-matrix model does not hold for it)."""
-        if not self.selects(rec.name, rec.role) or rec.noise != NOISE_ISOTROPIC:
+        """The matrix view of a record it was handed (the pipeline selects by :attr:`selector`), or ``None`` where
+        the random-matrix model does not hold: noise that is not isotropic with a known std, σ = 0, not a ≥2-D
+        floating-point tensor."""
+        if rec.noise != NOISE_ISOTROPIC:
             return None
         sigma = rec.sigma
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):
@@ -178,7 +175,7 @@ class RMTDenoiser(Denoiser):
             mat = self.select(rec)
             if mat is not None:
                 groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append((i, mat))
-            elif rec.noise != NOISE_ISOTROPIC and self.selects(rec.name, rec.role) and rec.tensor.dim() >= 2:
+            elif rec.noise != NOISE_ISOTROPIC and rec.tensor.dim() >= 2:
                 skipped_noise += 1
         return groups, skipped_noise
 

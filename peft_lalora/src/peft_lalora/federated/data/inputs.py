@@ -15,18 +15,36 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["InputError", "check_loaded", "column_roles", "load_table", "scan_table"]
+__all__ = ["InputError", "check_loaded", "column_roles", "load_table", "model_folder_problem", "scan_table"]
 
 _KINDS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
 
 
 class InputError(ValueError):
     """A problem with the user's data file, in one line naming the file, the line/record and the column."""
+
+
+#: a Hugging Face hub id: ``name`` or ``namespace/name`` (letters, digits, ``-``, ``_``, ``.``; no leading ``.``/``-``)
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+
+
+def model_folder_problem(model: str) -> str | None:
+    """Why ``model`` names no model to load, or ``None``: an existing folder, or a hub id that is no path here
+    (``name`` / ``namespace/name``: transformers looks it up), is left to transformers."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return None
+    if path.exists():
+        return "is a file, not a model folder (give the folder holding config.json and the weights)"
+    if _HUB_ID.fullmatch(model) and ".." not in model and not model.endswith("."):
+        return None
+    return "no such folder (give the folder holding config.json and the weights, or a Hugging Face hub id)"
 
 
 def load_table(path: str | Path) -> Any:

@@ -22,7 +22,8 @@ Flower nodes, which rebuild their own partition from the same seed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,13 +37,28 @@ SCHEMES: tuple[str, ...] = ("dirichlet", "iid", "group")
 _ROW = "__peft_lalora_row__"
 
 
+class PartitionError(ValueError):
+    """A split these settings cannot make. ``problem`` and ``advice`` name the settings in braces (``{alpha}``):
+    :meth:`worded` writes them as keyword names (the message) or as the ``federate`` flags (``--alpha``)."""
+
+    def __init__(self, problem: str, settings: Mapping[str, Any], advice: str) -> None:
+        self.problem, self.settings, self.advice = problem, dict(settings), advice
+        super().__init__(self.worded())
+
+    def worded(self, flags: bool = False) -> str:
+        names = {k: "--" + k.replace("_", "-") if flags else k for k in self.settings}
+        shown = {k: format(v, "g") if isinstance(v, float) else str(v) for k, v in self.settings.items()}
+        given = ", ".join(f"{names[k]} {shown[k]}" if flags else f"{k}={shown[k]}" for k in self.settings)
+        return f"{given}: {self.problem.format(**names)}; {self.advice.format(**names)}"
+
+
 def _require_flwr_datasets() -> Any:
     try:
         import flwr_datasets.partitioner as partitioner
     except ImportError as err:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "peft_lalora.federated.data.partition needs flwr-datasets; install the extra: "
-            "pip install 'peft-lalora[flower]'"
+            "pip install -c constraints.txt './peft_lalora[flower]' (README, Install)"
         ) from err
     return partitioner
 
@@ -143,7 +159,11 @@ def _check_common(dataset: datasets.Dataset, num_clients: int | None, column: st
         if not isinstance(num_clients, (int, np.integer)) or isinstance(num_clients, bool) or num_clients < 1:
             raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
         if num_clients > dataset.num_rows:
-            raise ValueError(f"num_clients={num_clients} exceeds the {dataset.num_rows} rows of the dataset")
+            raise PartitionError(
+                f"more clients than the {dataset.num_rows} training rows",
+                {"num_clients": int(num_clients)},
+                "lower {num_clients} (each client needs rows of its own)",
+            )
 
 
 def dirichlet_partition(
@@ -175,7 +195,19 @@ def dirichlet_partition(
         seed=int(seed),
     )
     part.dataset = _with_rows(dataset)
-    indices = [_rows(part.load_partition(i)) for i in range(num_clients)]
+    with warnings.catch_warnings():  # flwr-datasets warns at every redraw: one PartitionError says it instead
+        warnings.filterwarnings("ignore", message=".*min_partition_size.*", category=UserWarning)
+        try:
+            indices = [_rows(part.load_partition(i)) for i in range(num_clients)]
+        except ValueError as err:
+            if "attempts" not in str(err):
+                raise
+            raise PartitionError(
+                f"the Dirichlet split drew no partition in which every one of the {num_clients} clients holds at "
+                f"least {min_partition_size} of the {dataset.num_rows} training rows (10 draws)",
+                {"num_clients": int(num_clients), "alpha": float(alpha), "min_partition_size": int(min_partition_size)},
+                "raise {alpha} (e.g. 0.1 or more: less label skew), lower {num_clients}, or lower {min_partition_size}",
+            ) from None
     classes, hist = label_histograms(dataset[label_column], indices)
     return Partition(
         indices, classes, hist, "dirichlet", int(seed), {"alpha": float(alpha), "label_column": label_column}
@@ -218,7 +250,11 @@ def group_partition(
         groups = [[part.partition_id_to_natural_id[i]] for i in range(n)]
     else:
         if num_clients > len(uniq):
-            raise ValueError(f"num_clients={num_clients} exceeds the {len(uniq)} distinct values of {group_column!r}")
+            raise PartitionError(
+                f"more clients than the {len(uniq)} distinct values of the group column {group_column!r}",
+                {"num_clients": int(num_clients)},
+                "lower {num_clients} (every group lives on one client), or split by another column",
+            )
         rng = np.random.default_rng(int(seed))
         tie = rng.permutation(len(uniq))
         order = np.lexsort((tie, -counts))  # largest group first, seeded tie order

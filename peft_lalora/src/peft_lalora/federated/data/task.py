@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..config import TaskSettings
-from .inputs import InputError, check_loaded, column_roles, load_table, scan_table
+from .inputs import InputError, check_loaded, column_roles, load_table, model_folder_problem, scan_table
 from .truncation import cut_texts
 
 __all__ = ["Task", "TaskSettings", "build_task", "load_table", "subsample", "text_task", "to_tensor_dataset"]
@@ -258,6 +258,9 @@ def text_task(settings: TaskSettings | Any, *, server: bool = False) -> Task:
 
     if not cfg.model or not (cfg.data or server):
         raise ValueError("task='text' needs model=<model folder or hub id> and data=<CSV/JSONL file or dataset folder>")
+    problem = model_folder_problem(cfg.model)
+    if problem is not None:
+        raise ValueError(f"model={cfg.model!r}: {problem}")
     source = _TextSource(cfg, AutoTokenizer.from_pretrained(cfg.model))
     num_labels = source.num_labels(server)
     known = source.tokenizer.model_input_names

@@ -1,10 +1,12 @@
-"""The Flower deployment of a federation (extra ``[flower]``): the Flower app (:mod:`~peft_lalora.federated.flower.app`:
-``ServerApp``, ``ClientApp``, the strategy) and a one-command local federation on loopback (:func:`run_flower`,
-:class:`LocalFederation`: processes, TLS certificates, SuperNode keys, private work folders).
+"""The Flower app of a federation (extra ``[flower]``), in Flower's app shape:
+:mod:`~peft_lalora.federated.flower.server_app` (``app``, a ``ServerApp``),
+:mod:`~peft_lalora.federated.flower.client_app` (``app``, a ``ClientApp``),
+:mod:`~peft_lalora.federated.flower.strategy` (``LALoraStrategy``) and
+:mod:`~peft_lalora.federated.flower.app_config` (the app's ``pyproject.toml``). The local TLS federation that runs it
+is :mod:`peft_lalora.federated.launcher`.
 
-Importing this package imports neither ``flwr`` nor ``cryptography``: :mod:`~peft_lalora.federated.flower.app` imports
-``flwr`` (the Flower processes load it by module path, ``peft_lalora.federated.flower.app:server_app``), the key and
-certificate writers import ``cryptography`` when called. See ``docs/deployment.md``.
+Importing this package imports no ``flwr``: the two apps and the strategy import it (the Flower processes load the
+apps by module path, :data:`~peft_lalora.federated.flower.app_config.SERVER_APP`). See ``docs/deployment.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
-    "APP_MODULE": "app_config",
+    "CLIENT_APP": "app_config",
+    "SERVER_APP": "app_config",
     "write_flower_app": "app_config",
 }
 

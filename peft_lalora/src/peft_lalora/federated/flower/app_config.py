@@ -1,21 +1,61 @@
-"""The Flower app's ``pyproject.toml``: the run configuration as ``[tool.flwr.app.config]`` and the components
-by module path (``peft_lalora.federated.flower.app:server_app`` / ``:client_app``) from the installed package."""
+"""The Flower app's ``pyproject.toml``: the run configuration as ``[tool.flwr.app.config]`` and the components by
+module path (:data:`SERVER_APP`, :data:`CLIENT_APP`) from the installed package; and what both apps read from a
+Flower ``Context`` (the :class:`~peft_lalora.federated.config.FederationConfig`, the thread count). Imports no
+``flwr``."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["APP_MODULE", "RESULT_PATH_KEY", "STATE_PATH_KEY", "THREADS_KEY", "write_flower_app"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import FederationConfig
 
-#: the Flower app's components, imported by module path from the installed peft-lalora package
-APP_MODULE = "peft_lalora.federated.flower.app"
+__all__ = [
+    "CLIENT_APP",
+    "RESULT_PATH_KEY",
+    "SERVER_APP",
+    "STATE_PATH_KEY",
+    "THREADS_KEY",
+    "federation_config",
+    "log",
+    "set_threads",
+    "write_flower_app",
+]
+
+#: the Flower app's components (Flower's app shape: ``server_app.py`` / ``client_app.py``, each an ``app``),
+#: imported by module path from the installed peft-lalora package
+SERVER_APP = "peft_lalora.federated.flower.server_app:app"
+CLIENT_APP = "peft_lalora.federated.flower.client_app:app"
 #: run_config keys that are not FederationConfig fields
 RESULT_PATH_KEY = "result-path"
 STATE_PATH_KEY = "state-path"
 THREADS_KEY = "threads"
+
+
+def log(level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+    """Flower's logger (imported when called)."""
+    from flwr.supercore import log as flwr_log
+
+    flwr_log(level, msg, *args, **kwargs)
+
+
+def set_threads(context: Any) -> None:
+    """``torch.set_num_threads`` from the run config's ``threads`` (0 or absent: torch's default)."""
+    n = int(context.run_config.get(THREADS_KEY, 0) or 0)
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def federation_config(context: Any) -> FederationConfig:
+    """The run's :class:`~peft_lalora.federated.config.FederationConfig` from a Flower ``Context``'s run config."""
+    from ..config import FederationConfig
+
+    return FederationConfig.from_dict(context.run_config, extra_keys=(RESULT_PATH_KEY, STATE_PATH_KEY, THREADS_KEY))
 
 
 def _toml_value(v: Any) -> str:
@@ -28,8 +68,8 @@ def _toml_value(v: Any) -> str:
 
 def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Path:
     """Write a Flower app to ``directory``: a ``pyproject.toml`` with ``run_config`` as
-    ``[tool.flwr.app.config]`` whose components are :mod:`peft_lalora.federated.flower.app`'s ``server_app`` /
-    ``client_app``, imported by module path from the installed package (no source is copied)."""
+    ``[tool.flwr.app.config]`` whose components are :data:`SERVER_APP` and :data:`CLIENT_APP`, imported by module
+    path from the installed package (no source is copied)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -48,8 +88,8 @@ def write_flower_app(directory: str | Path, run_config: Mapping[str, Any]) -> Pa
         'publisher = "peft-lalora"',
         "",
         "[tool.flwr.app.components]",
-        f'serverapp = "{APP_MODULE}:server_app"',
-        f'clientapp = "{APP_MODULE}:client_app"',
+        f'serverapp = "{SERVER_APP}"',
+        f'clientapp = "{CLIENT_APP}"',
         "",
         "[tool.flwr.app.config]",
         *[f"{json.dumps(k)} = {_toml_value(v)}" for k, v in run_config.items()],

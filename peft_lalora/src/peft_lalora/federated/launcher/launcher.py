@@ -2,7 +2,8 @@
 authentication by default, always torn down.
 
 :func:`~peft_lalora.federated.launcher.run.run_flower` writes a Flower app (a ``pyproject.toml`` naming the components
-of :mod:`peft_lalora.federated.flower.app`, :mod:`~peft_lalora.federated.flower.app_config`) with the run's
+:mod:`~peft_lalora.federated.flower.server_app` and :mod:`~peft_lalora.federated.flower.client_app`:
+:mod:`~peft_lalora.federated.flower.app_config`) with the run's
 configuration into a private work folder (:mod:`~peft_lalora.federated.launcher.workdir`: ``0700``, removed at the end
 unless kept) and, by default (secure),
 

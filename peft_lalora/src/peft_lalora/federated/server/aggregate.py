@@ -24,7 +24,8 @@ global state, over all tensors):
   the ``int(trim_fraction · m)`` largest and smallest values of every coordinate (``m`` valid updates) are
   discarded, the rest averaged without weights — an outlier cannot move a coordinate beyond the honest
   clients' range. A trimmed mean that would trim nothing (``int(trim_fraction · m) = 0``, e.g. the default 0.1
-  with fewer than 10 clients) is an error (:func:`trim_problem`), not a silent plain mean;
+  with fewer than 10 clients) is an error (:func:`~peft_lalora.federated.server.rules.trim_problem`), not a silent
+  plain mean;
 * a result that overflows the state's dtype (e.g. clients sending 3e38) fails the round instead of becoming Inf.
 
 Weights are the caller's: a runner passes the example counts *it* assigned, never counts a client reports.
@@ -41,13 +42,14 @@ from typing import Any
 
 import torch
 
+from .rules import NORM_POLICIES, RULES, trim_problem
+
 __all__ = [
     "AggregationError",
     "AggregationResult",
     "Rejection",
     "fedavg",
     "factor_of",
-    "trim_problem",
     "validate_update",
 ]
 
@@ -147,31 +149,6 @@ def validate_update(state: Any, reference: Mapping[str, torch.Tensor], weight: f
     return None
 
 
-RULES = ("mean", "trimmed_mean")
-NORM_POLICIES = ("clip", "reject")
-
-
-def trim_problem(trim_fraction: float, m: int) -> str | None:
-    """Why a trimmed mean of ``m`` updates at ``trim_fraction`` trims nothing (``None`` if it trims one or more
-    per end): the count Flower's ``trim_mean`` cuts is ``int(trim_fraction · m)``. Says how many clients, or
-    which trim fraction, it needs."""
-    if int(trim_fraction * m) >= 1:
-        return None
-    head = f"trimmed_mean with trim_fraction={trim_fraction:g} trims int({trim_fraction:g}·{m}) = 0 of {m} update(s)"
-    need_m = math.ceil(1 / trim_fraction) if trim_fraction > 0 else None
-    while need_m is not None and int(trim_fraction * need_m) < 1:
-        need_m += 1
-    fix = f"needs at least {need_m} clients per round" if need_m is not None else "trim_fraction must be > 0"
-    if m >= 3:
-        need_f = math.ceil(1e4 / m) / 1e4  # 1/m rounded up to 4 decimals (1/m·m itself can round below 1)
-        while int(need_f * m) < 1:
-            need_f = math.nextafter(need_f, 1.0)
-        fix += f", or trim_fraction >= {need_f:g}"
-    else:
-        fix += " (a trimmed mean needs at least 3 updates)"
-    return f"{head}: it would be a plain unweighted mean that one client moves at will; {fix}"
-
-
 def fedavg(
     states: Sequence[State],
     weights: Sequence[float] | None = None,
@@ -211,7 +188,7 @@ def fedavg(
         ValueError: bad arguments (lengths, ``min_clients < 1``, ``server_lr`` not finite/positive, η ≠ 1
             without ``global_state``, non-floating reference tensors, non-finite global state).
         AggregationError: fewer than ``min_clients`` updates survive validation, or a trimmed mean of the
-            valid ones would trim nothing (:func:`trim_problem`).
+            valid ones would trim nothing (:func:`~peft_lalora.federated.server.rules.trim_problem`).
     """
     n = len(states)
     _check_arguments(n, weights, client_ids, min_clients, server_lr, global_state, max_update_norm)
@@ -421,5 +398,8 @@ def _trimmed_mean(mat: torch.Tensor, trim_fraction: float) -> torch.Tensor:
     try:
         from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
     except ImportError as err:  # pragma: no cover - flwr is the [flower] extra
-        raise ImportError("rule='trimmed_mean' uses Flower's trim_mean: pip install 'peft-lalora[flower]'") from err
+        raise ImportError(
+            "rule='trimmed_mean' uses Flower's trim_mean: pip install -c constraints.txt './peft_lalora[flower]' "
+            "(README, Install)"
+        ) from err
     return torch.from_numpy(trim_mean(mat.cpu().numpy(), trim_fraction)).to(mat.device)

@@ -136,14 +136,26 @@ def report_problem(history: Iterable[Sequence[float]], max_steps: int) -> str | 
     return None
 
 
-def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "rdp") -> float:
-    """ε at ``delta`` of a fresh Opacus accountant (``"rdp"`` or ``"prv"``; ``"gdp"`` is refused) fed ``history``.
+def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "prv") -> float:
+    """ε at ``delta`` spent by ``history`` under Opacus' ``accountant`` (``"prv"``, the engine's default, or
+    ``"rdp"``; ``"gdp"`` is refused: :data:`GDP_REFUSED`).
 
-    An empty history spends nothing (ε = 0); a negative ε (δ large for the steps: (0, δ)-DP) is reported as 0.0.
+    With opacus-spectral installed this is its :func:`opacus_spectral.accounting.epsilon_from_history` (the entries
+    and δ validated there); without it, a fresh Opacus accountant (:func:`_fresh_accountant_epsilon`). An empty
+    history spends nothing (ε = 0); a negative ε (δ large for the steps: (0, δ)-DP) is 0.0.
     """
+    check_accountant(accountant)
+    try:
+        from opacus_spectral.accounting import epsilon_from_history as library
+    except ImportError:  # peft-lalora without opacus-spectral
+        return _fresh_accountant_epsilon(history, delta, accountant)
+    return library(history, delta, accountant)
+
+
+def _fresh_accountant_epsilon(history: Iterable[Sequence[float]], delta: float, accountant: str) -> float:
+    """The fallback of :func:`epsilon_from_history`: a fresh Opacus accountant fed the normalized ``history``."""
     from opacus.accountants import create_accountant
 
-    check_accountant(accountant)
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     hist = normalize_history(history)

@@ -1,0 +1,98 @@
+"""How DPTrainer and peft-lalora's alternation find each other: the ``opacus_spectral_alternation_controller`` hook
+(declared in opacus_spectral.hookspecs, implemented by peft-lalora's entry-point plugin) and the trainer's
+``set_trainable``, where both used to look each other up in ``sys.modules``."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from opacus_spectral.plugins.registry import get_registry
+from peft_lalora.alternation.factors import find_lora_factors, set_requires_grad
+from repo_support import ROOT
+from text_support import tiny_bert
+from trainer_support import lalora_model, trainer
+
+from opacus_spectral import hookimpl
+from peft_lalora import AlternationController, LALoraTrainerCallback
+
+
+def test_neither_library_finds_the_other_through_sys_modules():
+    """No look-up of the other library in ``sys.modules`` (peft_lalora's ``__init__`` does ask whether ``peft`` is
+    imported yet, to register its PEFT type: that is PEFT, not opacus-spectral)."""
+    other = re.compile(r"sys\.modules[^\n]*(opacus_spectral|peft_lalora)")
+    found = [
+        str(p.relative_to(ROOT))
+        for src in ("opacus_spectral/src", "peft_lalora/src")
+        for p in (ROOT / src).rglob("*.py")
+        if other.search(p.read_text())
+    ]
+    assert found == []
+
+
+def test_peft_lalora_implements_the_hook_through_its_entry_point():
+    registry = get_registry()
+    registry.load()
+    impls = registry.pm.hook.opacus_spectral_alternation_controller.get_hookimpls()
+    assert "peft_lalora" in [impl.plugin_name for impl in impls]
+
+
+def test_a_lalora_model_gets_its_controller_freezing_through_the_trainer(tmp_path):
+    t = trainer(tmp_path)
+    t._attach_alternation()  # what train() does first
+    controller = t.controller
+    assert isinstance(controller, AlternationController) and controller._set_trainable == t.set_trainable
+    a = [f.param for f in controller.factors if f.factor == "A"]
+    for p in a:
+        p.grad_sample = torch.zeros(1)
+    controller.advance(0)  # phase "B": A frozen, Opacus' per-sample state dropped with it
+    assert all(not p.requires_grad and p.grad_sample is None for p in a)
+
+
+def test_alternation_false_attaches_nothing(tmp_path):
+    t = trainer(tmp_path, alternation=False)
+    t._attach_alternation()
+    assert t.controller is None and all(f.param.requires_grad for f in find_lora_factors(t.model))
+    assert not any(isinstance(cb, LALoraTrainerCallback) for cb in t.callback_handler.callbacks)
+
+
+def test_a_controller_the_user_attaches_to_a_dptrainer_freezes_through_it_and_a_plain_trainer_through_torch(tmp_path):
+    from transformers import Trainer
+
+    t = trainer(tmp_path, alternation=False)
+    assert AlternationController(t.model, t)._set_trainable == t.set_trainable
+    model = lalora_model()
+    plain = Trainer(model=model, args=t.args)
+    assert AlternationController(model, plain)._set_trainable is set_requires_grad
+
+
+class ThirdParty:
+    """A plugin answering for a model that carries no LALoRA adapter."""
+
+    def __init__(self):
+        self.asked = []
+
+    @hookimpl
+    def opacus_spectral_alternation_controller(self, trainer):
+        self.asked.append(trainer)
+        return "controller" if not hasattr(trainer.model, "peft_config") else None
+
+
+def test_any_plugin_can_answer_the_hook(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    plugin, registry = ThirdParty(), get_registry()
+    assert registry.register(plugin, name="third-party-alternation")
+    try:
+        lalora = trainer(tmp_path / "a")
+        lalora._attach_alternation()
+        model = tiny_bert(seed=0)
+        other = trainer(tmp_path / "b", model=model)  # no adapter at all: only the third party answers
+        other._attach_alternation()
+        lora = trainer(tmp_path / "c", model=get_peft_model(tiny_bert(seed=0), LoraConfig(target_modules=["query"])))
+        lora._attach_alternation()  # a plain LoRA adapter: nobody answers
+    finally:
+        registry.unregister("third-party-alternation")
+    assert isinstance(lalora.controller, AlternationController)
+    assert other.controller == "controller" and lora.controller is None
+    assert plugin.asked == [lalora, other, lora]
