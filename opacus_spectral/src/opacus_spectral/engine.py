@@ -66,7 +66,9 @@ from .denoisers.advice import external_stacklevel
 from .doctor.batch_check import BatchCheck, BatchCheckSetting, install_batch_check
 from .doctor.doctor import Doctor, DoctorSetting, accounted_steps, install_doctor
 from .errors import NonPrivateWarning, ShuffledSamplingWarning
-from .plugins.registry import DenoiserSpec, Registry
+from .mechanisms.install import CHECKPOINT_KEY as MECHANISM_KEY
+from .mechanisms.install import MechanismRun, MechanismSpec
+from .plugins.registry import DenoiserSpec, Registry, get_registry
 from .step.copies import refuse_copies
 from .step.grad_sample import check_per_sample_support, safe_class
 from .step.installation import PostHookHandle, install_post_hooks, remove_pipeline
@@ -212,6 +214,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.doctor: Doctor | None = None  #: the checks installed by the last make_private (docs/engine.md)
         self.batch_check: BatchCheck | None = None  #: the last make_private's batch-independence check (docs/engine.md)
         self.precision_guard: PrecisionGuard | None = None  #: float32 clipping under autocast (docs/engine.md)
+        self.mechanism_run: MechanismRun | None = None  #: the last make_private's noise mechanism (docs/mechanisms.md)
 
     def validate(self, *, module: nn.Module, optimizer: Any, data_loader: Any) -> None:  # type: ignore[override]
         """Opacus' check that every trainable module can be trained privately; modules Opacus' validator can replace
@@ -288,6 +291,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         new_privacy_unit: bool = False,
         doctor: DoctorSetting | None = None,
         batch_check: BatchCheckSetting | None = None,
+        noise_mechanism: MechanismSpec | None = None,
+        steps: int | None = None,
+        epochs: float | None = None,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """``opacus.PrivacyEngine.make_private`` plus denoisers.
@@ -312,6 +318,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             batch_check: at the first training forward, check that no record's outputs depend on the other records
                 of its batch (:mod:`~opacus_spectral.doctor.batch_check`): ``"raise"`` (default), ``"warn"`` or
                 ``False``.
+            noise_mechanism: ``None`` / ``"gaussian"`` (DP-SGD, Opacus' own noise), ``"bandmf"`` or
+                ``("bandmf", {"bands": b})`` (banded matrix-factorization noise with cyclic Poisson sampling,
+                ``docs/mechanisms.md``), or a :class:`~opacus_spectral.mechanisms.base.NoiseMechanism`.
+            steps, epochs: the run's length (one of them), which ``"bandmf"`` optimizes its coefficients for.
 
         Returns what Opacus returns: ``(module, optimizer, data_loader)``, or with ghost clipping
         ``(module, optimizer, criterion, data_loader)``. A keyword neither this engine nor Opacus uses is a
@@ -325,8 +335,20 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not self.secure_mode and kwargs.get("noise_generator") is None and kwargs.get("optimizer") is not None:
             kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
             self._generators.append((kwargs["noise_generator"], "noise", 0))
-        compose_privacy_record(self, new_privacy_unit=new_privacy_unit, **kwargs)  # ε continues (.privacy_record)
+        self.mechanism_run = MechanismRun.create(
+            self.registry or get_registry(),
+            noise_mechanism,
+            steps=steps,
+            epochs=epochs,
+            seed=self.noise_source.partition_seed,
+            poisson_sampling=kwargs.get("poisson_sampling", True),
+            accountant=self.accountant.mechanism(),
+        )
+        noise = None if self.mechanism_run is None else self.mechanism_run.mechanism
+        compose_privacy_record(self, new_privacy_unit=new_privacy_unit, noise=noise, **kwargs)  # ε continues
         out = super().make_private(*args, **kwargs)
+        if self.mechanism_run is not None:
+            self.mechanism_run.install(out[1])
         refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
         self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
         pipeline = dict(
@@ -398,6 +420,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._install_guards(out, "raise" if batch_check is None else batch_check, kwargs)
         if post_hooks is not None:
             self.post_hooks = install_post_hooks(out[1], post_hooks, module=out[0], registry=self.registry, **pipeline)
+            if self.mechanism_run is not None:
+                self.mechanism_run.check_denoisers(self.post_hooks.denoisers)
 
     def _private_with_epsilon(
         self, *args: Any, target_epsilon: float, target_delta: float, epochs: float, **kwargs: Any
@@ -412,6 +436,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         poisson = kwargs.get("poisson_sampling", True) or sampler_kind(loader) == "poisson"
         sample_rate = 1 / len(loader) if poisson else 1.0  # shuffled: one Gaussian mechanism per epoch
         steps = int(epochs / sample_rate) if poisson else math.ceil(epochs)
+        spec = kwargs.get("noise_mechanism")
+        if spec is not None and spec != "gaussian":  # calibrated through the mechanism's own accounting
+            mechanism = (self.registry or get_registry()).create_mechanism(spec)
+            kwargs.update(noise_mechanism=mechanism, steps=steps)
+            mechanism.setup(steps=steps, sample_rate=sample_rate, dataset_size=len(loader.dataset))
+            accounting = mechanism.accounting(1.0, sample_rate)
+            sample_rate, steps = accounting.sample_rate, math.ceil(steps / accounting.every)
         # what the accountant will already hold: its own steps, then the model's privacy record (.privacy_record)
         prior = [*self.accountant.history, *prior_history(self, kwargs.get("module"), **_unit(kwargs))]
         sigma = noise_multiplier_after(
@@ -478,6 +509,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
+        if self.mechanism_run is not None:
+            out = self.mechanism_run.build_loader(out)
         self._hook_accountant(out, sampling)
         return out
 
@@ -520,6 +553,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         def factory(sample_rate: float) -> Any:
             accountant.__dict__.pop("get_optimizer_hook_fn", None)  # one make_private, one hook
+            if self.mechanism_run is not None:
+                return self.mechanism_run.accountant_hook(accountant, state.count)
             if tracker is not None:
                 return shuffled_hook(accountant, tracker, state.count)
             return counted_hook(accountant, opacus_factory(sample_rate=sample_rate), state.count)
@@ -597,6 +632,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if self.post_hooks is not None:
             checkpoint_dict[CHECKPOINT_KEY] = self.post_hooks.state_dict()
         checkpoint_dict[COUNT_KEY] = self._count_record()
+        if self.mechanism_run is not None:  # its name, partition seed and step: never the noise buffers
+            checkpoint_dict[MECHANISM_KEY] = self.mechanism_run.state_dict()
         super().save_checkpoint(checkpoint_dict=checkpoint_dict, **kwargs)
 
     def _count_record(self) -> dict[str, Any]:
@@ -656,6 +693,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
         count, state = checkpoint.pop(COUNT_KEY), self._accounting()
         state.dp_steps, state.charged, state.sampling = count["dp_steps"], count["charged_steps"], count["sampling"]
+        mechanism = checkpoint.pop(MECHANISM_KEY, None)
+        if self.mechanism_run is not None:  # the same partition, the group cycle continued, a fresh noise stream
+            self.mechanism_run.load_state_dict(mechanism, where=str(path))
         optimizer_state = checkpoint.pop("optimizer_state_dict", {})
         if optimizer is not None and optimizer_state:
             optimizer.load_state_dict(optimizer_state)
@@ -714,9 +754,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "and sample rate: call make_private first and pass its DPOptimizer as optimizer=, or pass "
                 "noise_multiplier= and sample_rate= (the values the run was trained with)"
             )
+        if (checkpoint.get(MECHANISM_KEY) is None) != (self.mechanism_run is None):
+            raise ValueError(
+                f"{where}: the checkpoint's noise mechanism ({checkpoint.get(MECHANISM_KEY) or 'gaussian'}) is not "
+                "this run's: call make_private with the same noise_mechanism before load_checkpoint"
+            )
         pipeline = checkpoint.get(CHECKPOINT_KEY)
         counters = [count["charged_steps"]]
-        if not shuffle:  # the optimizer's and the pipeline's counters count DP steps, one history step each
+        if not shuffle and self.mechanism_run is None:  # these count DP steps, one history step each
             counters.append(optimizer_step_count(checkpoint.get("optimizer_state_dict", {})))
             if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
                 counters.append(pipeline["step"])

@@ -43,6 +43,17 @@ def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:  # type: ig
 
 
 @hookspec
+def opacus_spectral_noise_mechanisms() -> Mapping[str, Callable[..., Any]]:  # type: ignore[empty-body]
+    """Return the noise mechanisms this plugin provides: ``{name: factory}``.
+
+    ``factory(**kwargs)`` builds a :class:`~opacus_spectral.mechanisms.base.NoiseMechanism`; ``kwargs`` come from
+    ``make_private(noise_mechanism=(name, {...}))``. A mechanism declares its sampler, the noise std it releases and
+    its accounting as DP-SGD with (σ′, q′) charged every k steps — never a free-form ε (``docs/mechanisms.md``).
+    Names must be unique across plugins, like denoisers'.
+    """
+
+
+@hookspec
 def opacus_spectral_parameter_roles(  # type: ignore[empty-body]
     module: nn.Module,
 ) -> Mapping[str, ParameterRole | str] | None:

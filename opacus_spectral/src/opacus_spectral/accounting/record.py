@@ -48,8 +48,8 @@ __all__ = [
 
 RECORD_FILE = "privacy_record.json"
 FORMAT, VERSION = "opacus_spectral.accounting.record", 1
-SAMPLERS = ("poisson", "shuffle")
-MECHANISMS = ("gaussian",)
+SAMPLERS = ("poisson", "shuffle", "cyclic_poisson")
+MECHANISMS = ("gaussian", "bandmf")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 MODEL_ATTR = "_opacus_spectral_privacy_record"  #: the ledger on the user's model
 ENGINE_ATTR = "_opacus_spectral_privacy_ledger"  #: the ledger of the engine's last make_private
@@ -116,6 +116,7 @@ class _LiveRun:
     sampler: str
     dataset_size: int | None
     delta: float | None = None
+    mechanism: str = "gaussian"
 
     def snapshot(self) -> PrivacyRun | None:
         history = [tuple(e) for e in self.accountant.history]
@@ -126,7 +127,9 @@ class _LiveRun:
         if not own:
             return None
         name = self.accountant.mechanism()
-        return PrivacyRun(self.id, self.unit, tuple(own), self.sampler, "gaussian", name, self.delta, self.dataset_size)
+        return PrivacyRun(
+            self.id, self.unit, tuple(own), self.sampler, self.mechanism, name, self.delta, self.dataset_size
+        )
 
 
 @dataclass
@@ -192,10 +195,12 @@ def compose_privacy_record(
     new_privacy_unit: bool = False,
     data_loader: Any = None,
     poisson_sampling: bool = True,
+    noise: Any = None,
     **_: Any,
 ) -> None:
     """``make_private``'s part: start the engine's accountant with the record ``module`` carries (or not, for a new
-    privacy unit), and bind the model's record to that accountant."""
+    privacy unit), and bind the model's record to that accountant. ``noise``: the run's noise mechanism other than
+    the default (its ``name`` and ``sampler`` are recorded)."""
     if module is None:
         return
     model = unwrap(module)
@@ -220,10 +225,13 @@ def compose_privacy_record(
     size = len(data_loader.dataset) if hasattr(getattr(data_loader, "dataset", None), "__len__") else None
     poisson = poisson_sampling or data_loader is None or sampler_kind(data_loader) == "poisson"
     sampler = "poisson" if poisson else "shuffle"  # as the engine accounts it (.shuffled_sampling)
+    if noise is not None:  # a noise mechanism samples its own way (docs/mechanisms.md)
+        sampler = noise.sampler
     if prefix:
         _warn_composed(runs, engine.accountant.mechanism())
         engine.accountant.history = list(prefix) + list(engine.accountant.history)
-    ledger = _Ledger(runs, _LiveRun(uuid.uuid4().hex, unit, engine.accountant, prefix, sampler, size))
+    mechanism = "gaussian" if noise is None else noise.name
+    ledger = _Ledger(runs, _LiveRun(uuid.uuid4().hex, unit, engine.accountant, prefix, sampler, size, None, mechanism))
     setattr(model, MODEL_ATTR, ledger)
     setattr(engine, ENGINE_ATTR, ledger)
 

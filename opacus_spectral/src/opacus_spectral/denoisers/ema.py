@@ -44,6 +44,9 @@ class EMADenoiser(Denoiser):
         state_dtype: dtype of the averages (float32; float64 inputs are averaged in float64).
     """
 
+    #: it averages the noise over steps as if independent: a correlated noise mechanism is refused (docs/mechanisms.md)
+    assumes_independent_noise = True
+
     name = "ema"
     temporal = True
 

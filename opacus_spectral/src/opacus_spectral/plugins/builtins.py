@@ -1,4 +1,5 @@
-"""Built-in denoisers, registered through the ``opacus_spectral`` entry-point group like any plugin.
+"""Built-in denoisers and noise mechanisms, registered through the ``opacus_spectral`` entry-point group like any
+plugin.
 
 The classes are imported only when a user asks for them, so a problem in one never affects the others. Each factory's
 signature is its class's — with the settings ``rmt`` takes as keywords in place of its ``**options`` — so the registry
@@ -52,4 +53,12 @@ def opacus_spectral_denoisers() -> Mapping[str, Callable[..., Any]]:
         "rmt_paper": _Lazy("..denoisers.rmt", "RMTDenoiser", preset="PAPER_SETTING", options=_RMT_FIELDS),
         "lowpass": _Lazy("..denoisers.lowpass", "LowPassDenoiser"),
         "ema": _Lazy("..denoisers.ema", "EMADenoiser"),
+    }
+
+
+@hookimpl
+def opacus_spectral_noise_mechanisms() -> Mapping[str, Callable[..., Any]]:
+    return {
+        "gaussian": _Lazy("..mechanisms.base", "GaussianMechanism"),
+        "bandmf": _Lazy("..mechanisms.bandmf", "BandMFMechanism"),
     }

@@ -69,6 +69,7 @@ class Registry:
         self._dist: dict[str, str | None] = {}
         self._errors: list[LoadError] = []
         self._denoisers: dict[str, DenoiserInfo] | None = None
+        self._mechanisms: dict[str, DenoiserInfo] | None = None
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -105,7 +106,7 @@ class Registry:
                 self._fail(name, distribution, "register", exc)
                 return False
             self._dist[name] = distribution
-            self._denoisers = None
+            self._denoisers = self._mechanisms = None
             for unknown in self._unknown_hooks(plugin):
                 self._fail(
                     name,
@@ -131,7 +132,7 @@ class Registry:
         with self._lock:
             self.pm.unregister(name=name)
             self._dist.pop(name, None)
-            self._denoisers = None
+            self._denoisers = self._mechanisms = None
 
     def _fail(self, plugin: str, dist: str | None, stage: str, exc: BaseException) -> None:
         err = LoadError(plugin, dist, stage, f"{type(exc).__name__}: {exc}")
@@ -163,27 +164,62 @@ class Registry:
     def denoisers(self) -> dict[str, DenoiserInfo]:
         with self._lock:
             if self._denoisers is None:
-                table: dict[str, DenoiserInfo] = {}
-                for plugin_name, provided in self._call_each("opacus_spectral_denoisers"):
-                    dist = self._dist.get(plugin_name)
-                    if not isinstance(provided, Mapping):
-                        self._fail(plugin_name, dist, "denoisers", TypeError("hook must return {name: factory}"))
-                        continue
-                    for name, factory in provided.items():
-                        if not isinstance(name, str) or not callable(factory):
-                            self._fail(plugin_name, dist, "denoisers", TypeError(f"bad entry {name!r}: {factory!r}"))
-                        elif name in table:
-                            other = table[name]
-                            self._fail(
-                                plugin_name,
-                                dist,
-                                "denoisers",
-                                ValueError(f"denoiser name {name!r} already provided by plugin {other.plugin!r}"),
-                            )
-                        else:
-                            table[name] = DenoiserInfo(name, factory, plugin_name, dist)
-                self._denoisers = table
+                self._denoisers = self._table("opacus_spectral_denoisers", "denoiser")
             return dict(self._denoisers)
+
+    def mechanisms(self) -> dict[str, DenoiserInfo]:
+        """The noise mechanisms the plugins provide (``opacus_spectral_noise_mechanisms``), ``{name: info}``."""
+        with self._lock:
+            if self._mechanisms is None:
+                self._mechanisms = self._table("opacus_spectral_noise_mechanisms", "noise mechanism")
+            return dict(self._mechanisms)
+
+    def _table(self, hook_name: str, kind: str) -> dict[str, DenoiserInfo]:
+        """``{name: factory}`` answers of one hook, each checked; a duplicate name is a load error (first kept)."""
+        stage = hook_name.removeprefix("opacus_spectral_")
+        table: dict[str, DenoiserInfo] = {}
+        for plugin_name, provided in self._call_each(hook_name):
+            dist = self._dist.get(plugin_name)
+            if not isinstance(provided, Mapping):
+                self._fail(plugin_name, dist, stage, TypeError("hook must return {name: factory}"))
+                continue
+            for name, factory in provided.items():
+                if not isinstance(name, str) or not callable(factory):
+                    self._fail(plugin_name, dist, stage, TypeError(f"bad entry {name!r}: {factory!r}"))
+                elif name in table:
+                    other = table[name]
+                    self._fail(
+                        plugin_name,
+                        dist,
+                        stage,
+                        ValueError(f"{kind} name {name!r} already provided by plugin {other.plugin!r}"),
+                    )
+                else:
+                    table[name] = DenoiserInfo(name, factory, plugin_name, dist)
+        return table
+
+    def create_mechanism(self, spec: Any) -> Any:
+        """Build the noise mechanism of ``make_private(noise_mechanism=spec)``: a registered name, ``(name, kwargs)``
+        or a :class:`~opacus_spectral.mechanisms.base.NoiseMechanism` object."""
+        from ..mechanisms.base import NoiseMechanism  # noqa: PLC0415 - the mechanisms import torch
+
+        if isinstance(spec, NoiseMechanism):
+            return spec
+        if isinstance(spec, str):
+            name, kwargs = spec, {}
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
+            name, kwargs = spec[0], dict(spec[1])
+        else:
+            raise TypeError(f"noise_mechanism must be a name, (name, {{kwargs}}) or a NoiseMechanism, got {spec!r}")
+        table = self.mechanisms()
+        if name not in table:
+            guess = _closest(name, table)
+            hint = f". Did you mean {guess!r}?" if guess else ""
+            raise ValueError(f"unknown noise mechanism {name!r}; available: {', '.join(sorted(table)) or 'none'}{hint}")
+        mechanism = _build(table[name], kwargs, kind="noise mechanism")
+        if not isinstance(mechanism, NoiseMechanism):
+            raise DenoiserBuildError(f"noise mechanism {name!r} built {mechanism!r}, not a NoiseMechanism")
+        return mechanism
 
     def errors(self) -> list[LoadError]:
         self.load()
@@ -281,11 +317,11 @@ def factory_keywords(factory: Callable[..., Any]) -> list[str] | None:
     return sorted(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def _build(info: DenoiserInfo, kwargs: Mapping[str, Any]) -> DenoiserProtocol:
+def _build(info: DenoiserInfo, kwargs: Mapping[str, Any], *, kind: str = "denoiser") -> Any:
     """``info.factory(**kwargs)``; a keyword the factory does not take, and any failure (``sys.exit()`` too), as a
     :class:`DenoiserBuildError`."""
     src = f"plugin {info.plugin!r}" + (f", distribution {info.distribution!r}" if info.distribution else "")
-    where = f"building denoiser {info.name!r} ({src}) with {dict(kwargs)!r}"
+    where = f"building {kind} {info.name!r} ({src}) with {dict(kwargs)!r}"
     valid = factory_keywords(info.factory)
     unknown = sorted(set(kwargs) - set(valid)) if valid is not None else []
     if valid is not None and unknown:
@@ -300,7 +336,7 @@ def _build(info: DenoiserInfo, kwargs: Mapping[str, Any]) -> DenoiserProtocol:
         raise
     except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin's factory must not end the host
         raise DenoiserBuildError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-    if not callable(denoiser) or isinstance(denoiser, type):
+    if kind == "denoiser" and (not callable(denoiser) or isinstance(denoiser, type)):
         raise DenoiserBuildError(f"{where} returned {denoiser!r}, not a denoiser (a callable on the records)")
     return denoiser
 

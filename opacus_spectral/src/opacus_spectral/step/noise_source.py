@@ -40,7 +40,7 @@ class NoiseSource:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"noise_seed must be an int or None, got {seed!r} ({type(seed).__name__})")
         self._seed = seed
-        self._drawn = {"noise": 0, "sampler": 0}
+        self._drawn = {"noise": 0, "sampler": 0, "partition": 0}
 
     @property
     def reproducible(self) -> bool:
@@ -53,6 +53,11 @@ class NoiseSource:
         if device.type == "meta":  # nothing is ever drawn on meta tensors; the doctor names the problem
             device = torch.device("cpu")
         return torch.Generator(device=device).manual_seed(self._next_seed("noise", 0))
+
+    def partition_seed(self) -> int:
+        """The seed of a cyclic-Poisson partition (``docs/mechanisms.md``): public, saved with the DP state, and the
+        same on every DDP rank (rank 0's stream)."""
+        return self._next_seed("partition", 0)
 
     def sampler_generator(self, rank: int = 0) -> torch.Generator:
         """A CPU generator for the Poisson sample (Opacus' uniform samplers call ``torch.rand(generator=...)``)."""

@@ -15,7 +15,8 @@ AdaClip                            nm_eff·C_t / (B·k), nm_eff = (nm⁻² − (
 ================================  ===============================================
 
 nm = ``noise_multiplier``, C = ``max_grad_norm``, B = ``expected_batch_size``, k =
-``accumulated_iterations``, W = world size, σ_u = ``unclipped_num_std``.
+``accumulated_iterations``, W = world size, σ_u = ``unclipped_num_std``. Under a correlated noise mechanism
+(``noise_mechanism="bandmf"``) each case is multiplied by the step's ‖row_t(M⁻¹)‖ (``docs/mechanisms.md``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def noise_std(optimizer: DPOptimizer) -> float:
         std /= denom
     elif optimizer.loss_reduction != "sum":  # pragma: no cover - Opacus validates this itself
         raise ValueError(f"unknown loss_reduction {optimizer.loss_reduction!r}")
+    # a correlated noise mechanism releases σC·‖row_t(M⁻¹)‖ at step t (docs/mechanisms.md): its factor of the step
+    std *= float(getattr(optimizer, "_opacus_spectral_std_factor", 1.0))
     if not math.isfinite(std) or std < 0:
         raise ValueError(f"noise std is not a finite non-negative number: {std}")
     return std

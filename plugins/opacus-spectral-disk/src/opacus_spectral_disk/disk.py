@@ -32,6 +32,9 @@ class DiskDenoiser(Denoiser):
     loop (:meth:`gradient_estimator`); the Kalman update itself does not use it.
     """
 
+    #: it averages the noise over steps as if independent: a correlated noise mechanism is refused (docs/mechanisms.md)
+    assumes_independent_noise = True
+
     name = "disk"
     temporal = True
     estimator_grad_sample_modes = ("hooks", "functorch")  #: per-sample gradients (:class:`DiskGradient`)

@@ -63,6 +63,9 @@ class DopplerDenoiser(Denoiser):
         state_dtype: dtype of the history tensors (float32; float64 for float64 gradients).
     """
 
+    #: it averages the noise over steps as if independent: a correlated noise mechanism is refused (docs/mechanisms.md)
+    assumes_independent_noise = True
+
     name = "doppler"
     temporal = True
 

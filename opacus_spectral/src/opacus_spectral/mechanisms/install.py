@@ -1,0 +1,254 @@
+"""Putting a noise mechanism on what ``make_private`` builds (``docs/mechanisms.md``): its loader (cyclic Poisson
+sampling), its noise (the optimizer's ``add_noise``), its accountant hook (:class:`~.base.Accounting`, charged per DP
+step) and the noise std denoisers are calibrated with. The default ``"gaussian"`` installs nothing: training is
+bit-identical to Opacus'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+from torch.utils.data import DataLoader
+
+from ..accounting.bounds import charge_log
+from .base import NoiseMechanism
+from .cyclic import CyclicPoissonSampler
+
+__all__ = [
+    "MECHANISM_ATTR",
+    "MechanismSpec",
+    "accountant_hook",
+    "cyclic_loader",
+    "install_noise",
+    "mechanism_of",
+    "std_factor",
+]
+
+MECHANISM_ATTR = "_opacus_spectral_mechanism"
+#: what ``make_private(noise_mechanism=...)`` takes: a registered name, ``(name, {kwargs})`` or a mechanism object
+MechanismSpec = str | tuple[str, Mapping[str, Any]] | NoiseMechanism
+
+
+class CyclicLoader(DataLoader):
+    """The DP loader of a cyclic-Poisson mechanism: Opacus' collate (empty batches allowed), the cyclic sampler, and
+    ``sample_rate`` = B/N like Opacus' ``DPDataLoader``."""
+
+    sample_rate: float
+
+
+def cyclic_loader(dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: int) -> CyclicLoader:
+    """The loader of ``dp_loader``'s dataset that samples group t mod b at step t (rate b·B/N within the group)."""
+    q = 1 / len(dp_loader)
+    sampler = CyclicPoissonSampler(
+        num_samples=len(dp_loader.dataset),
+        groups=mechanism.sample_rate_factor,
+        sample_rate=mechanism.sample_rate_factor * q,
+        steps_per_epoch=len(dp_loader),
+        partition_seed=partition_seed,
+        generator=dp_loader.batch_sampler.generator,
+    )
+    loader = CyclicLoader(
+        dp_loader.dataset,
+        batch_sampler=sampler,
+        collate_fn=dp_loader.collate_fn,
+        num_workers=dp_loader.num_workers,
+        pin_memory=dp_loader.pin_memory,
+        timeout=dp_loader.timeout,
+        worker_init_fn=dp_loader.worker_init_fn,
+        multiprocessing_context=dp_loader.multiprocessing_context,
+        generator=dp_loader.generator,
+        prefetch_factor=dp_loader.prefetch_factor,
+        persistent_workers=dp_loader.persistent_workers,
+    )
+    loader.sample_rate = q
+    return loader
+
+
+def accountant_hook(accountant: Any, mechanism: NoiseMechanism, count: Callable[[int], None]) -> Callable:
+    """The accountant's step hook under ``mechanism``: at DP step t, what its :class:`~.base.Accounting` charges
+    (DP-SGD's (σ′, q′) at every ``every``-th step), reported to the engine's count and to the doctor."""
+    state = {"step": 0}
+
+    def hook(optim: DPOptimizer) -> None:
+        if int(optim.accumulated_iterations) != 1:
+            raise ValueError(
+                f"noise_mechanism={mechanism.name!r} samples one group per step: gradient accumulation over "
+                f"{optim.accumulated_iterations} loader batches per step would mix groups (use BatchMemoryManager "
+                "for smaller physical batches instead)"
+            )
+        acc = mechanism.accounting(float(optim.noise_multiplier), 1 / _loader_len(optim))
+        charged = acc.charge(state["step"])
+        state["step"] += 1
+        if charged:
+            accountant.step(noise_multiplier=acc.noise_multiplier, sample_rate=acc.sample_rate)
+        count(charged)
+        charge_log(accountant).record(charged)
+
+    hook.state = state  # type: ignore[attr-defined]  # the step, restored by load_checkpoint
+    return hook
+
+
+def _loader_len(optim: DPOptimizer) -> float:
+    """1/q: Opacus sets ``expected_batch_size = N·q``; the mechanism keeps q on the optimizer (``install_noise``)."""
+    return getattr(optim, MECHANISM_ATTR + "_steps_per_epoch")
+
+
+def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_epoch: int) -> None:
+    """Replace the optimizer's ``add_noise`` by Opacus' own, with each tensor's i.i.d. draw passed through the
+    mechanism; the stream advances for every parameter the optimizer holds, frozen ones included (their draw is
+    discarded). Under DDP only rank 0 adds noise, as Opacus' distributed optimizer does."""
+    setattr(optimizer, MECHANISM_ATTR, mechanism)
+    setattr(optimizer, MECHANISM_ATTR + "_steps_per_epoch", steps_per_epoch)
+    distributed = isinstance(optimizer, DistributedDPOptimizer)
+
+    def add_noise() -> None:
+        if distributed and optimizer.rank != 0:
+            for p in optimizer.params:
+                p.grad = p.summed_grad.view_as(p)
+            return
+        std = optimizer.noise_multiplier * optimizer.max_grad_norm
+        trainable = {id(p) for p in optimizer.params}
+        for i, p in enumerate(q for g in optimizer.original_optimizer.param_groups for q in g["params"]):
+            if id(p) not in trainable:
+                if mechanism.correlated:  # keep a frozen factor's stream in step (its draw is not released)
+                    mechanism.noise(i, _generate_noise(std=std, reference=p, generator=optimizer.generator))
+                continue
+            _check_processed_flag(p.summed_grad)
+            z = _generate_noise(
+                std=std, reference=p.summed_grad, generator=optimizer.generator, secure_mode=optimizer.secure_mode
+            )
+            p.grad = (p.summed_grad + mechanism.noise(i, z)).view_as(p)
+            _mark_as_processed(p.summed_grad)
+        optimizer._opacus_spectral_std_factor = mechanism.std_factor()
+        mechanism.end_step()
+
+    optimizer.add_noise = add_noise  # an instance attribute: Opacus calls self.add_noise()
+
+
+def mechanism_of(optimizer: Any) -> NoiseMechanism | None:
+    return getattr(optimizer, MECHANISM_ATTR, None)
+
+
+def std_factor(optimizer: Any) -> float:
+    """The released noise's per-entry std at the last step, in units of σC (1 for i.i.d. Gaussian noise)."""
+    return float(getattr(optimizer, "_opacus_spectral_std_factor", 1.0))
+
+
+def steps_of(steps: int | None, epochs: float | None, steps_per_epoch: int) -> int | None:
+    """The run's length in DP steps: ``steps``, or ``epochs`` × the loader's steps per epoch."""
+    if steps is not None and epochs is not None:
+        raise ValueError("give steps= or epochs=, not both")
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        return steps
+    if epochs is not None:
+        if not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
+            raise ValueError(f"epochs must be a positive number, got {epochs!r}")
+        return max(1, int(round(epochs * steps_per_epoch)))
+    return None
+
+
+#: the key of :meth:`MechanismRun.state_dict` in an engine checkpoint
+CHECKPOINT_KEY = "opacus_spectral_noise_mechanism"
+
+
+class MechanismRun:
+    """One ``make_private``'s noise mechanism other than the default: the loader, the accountant hook and the noise it
+    installs, and what a checkpoint keeps of it (never the noise buffers)."""
+
+    def __init__(self, mechanism: NoiseMechanism, *, steps: int | None, epochs: float | None, partition_seed: int):
+        self.mechanism = mechanism
+        self._length = (steps, epochs)
+        self.partition_seed = int(partition_seed)
+        self.loader: Any = None
+        self.hook: Any = None
+
+    @classmethod
+    def create(
+        cls, registry: Any, spec: Any, *, steps: Any, epochs: Any, seed: Callable[[], int], **setting: Any
+    ) -> Any:
+        """``None`` for the default (``spec`` None or ``"gaussian"``: Opacus' own noise, untouched); else a run,
+        after the refusals of ``docs/mechanisms.md`` ("What is refused")."""
+        if spec is None or spec == "gaussian":
+            if steps is not None or epochs is not None:
+                raise ValueError("steps= / epochs= size a noise mechanism's run: they need noise_mechanism='bandmf'")
+            return None
+        mechanism = registry.create_mechanism(spec)
+        if not setting.get("poisson_sampling", True):
+            raise ValueError(
+                f"noise_mechanism={mechanism.name!r} is accounted for {mechanism.sampler.replace('_', ' ')} sampling "
+                "only: leave poisson_sampling=True (the engine builds the sampler)"
+            )
+        if setting.get("accountant") == "gdp":
+            raise ValueError(f"noise_mechanism={mechanism.name!r} needs an upper-bound accountant: 'prv' or 'rdp'")
+        return cls(mechanism, steps=steps, epochs=epochs, partition_seed=seed())
+
+    def build_loader(self, dp_loader: Any) -> Any:
+        """Set the mechanism up for this run and return the loader it samples with."""
+        steps_per_epoch = len(dp_loader)
+        self.mechanism.setup(
+            steps=steps_of(*self._length, steps_per_epoch),
+            sample_rate=1 / steps_per_epoch,
+            dataset_size=len(dp_loader.dataset),
+        )
+        if self.mechanism.sampler == "cyclic_poisson":
+            self.loader = cyclic_loader(dp_loader, self.mechanism, partition_seed=self.partition_seed)
+            return self.loader
+        self.loader = dp_loader
+        return dp_loader
+
+    def accountant_hook(self, accountant: Any, count: Callable[[int], None]) -> Callable:
+        self.hook = accountant_hook(accountant, self.mechanism, count)
+        return self.hook
+
+    def install(self, optimizer: DPOptimizer) -> None:
+        install_noise(optimizer, self.mechanism, len(self.loader))
+
+    def check_denoisers(self, denoisers: Any) -> None:
+        """Denoisers that assume noise independent across steps refuse a correlated mechanism."""
+        if not self.mechanism.correlated:
+            return
+        bad = [type(d).__name__ for d in denoisers if getattr(d, "assumes_independent_noise", False)]
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)} assume(s) DP noise independent across steps, but noise_mechanism="
+                f"{self.mechanism.name!r} correlates it: their averaging would not reduce it as they model. Drop them, "
+                "or use the gaussian mechanism"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.mechanism.describe(),
+            "partition_seed": self.partition_seed,
+            "step": 0 if self.hook is None else int(self.hook.state["step"]),
+        }
+
+    def load_state_dict(self, state: Any, where: str) -> None:
+        """A resumed run: the same mechanism and partition, the group cycle continued, a fresh noise stream."""
+        ours = self.mechanism.describe()
+        if not isinstance(state, dict) or {k: state.get(k) for k in ours} != ours:
+            raise ValueError(
+                f"{where}: the checkpoint was trained with noise mechanism {state!r}, this run uses {ours}"
+            )
+        self.partition_seed = int(state["partition_seed"])
+        sampler = self.loader.batch_sampler
+        if isinstance(sampler, CyclicPoissonSampler):
+            rebuilt = CyclicPoissonSampler(
+                num_samples=len(self.loader.dataset),
+                groups=sampler.groups,
+                sample_rate=sampler.sample_rate,
+                steps_per_epoch=sampler.steps_per_epoch,
+                partition_seed=self.partition_seed,
+                generator=sampler.generator,
+            )
+            sampler.parts = rebuilt.parts
+            sampler.partition_seed = self.partition_seed
+            sampler.step = int(state["step"])
+        if self.hook is not None:
+            self.hook.state["step"] = int(state["step"])
+        self.mechanism.reset()

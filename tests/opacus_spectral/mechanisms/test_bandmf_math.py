@@ -1,0 +1,89 @@
+"""The mathematics of banded matrix-factorization noise (opacus_spectral.mechanisms.bandmf_math / stream): the
+released noise has covariance M⁻¹M⁻ᵀ, b = 1 is DP-SGD, the sensitivity formula against brute force over every
+b-separated participation pattern, κ = 1 after normalization, and the optimized coefficients' workload error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus_spectral.mechanisms.bandmf_math import (
+    column_norms,
+    inverse_matrix,
+    minsep_sensitivity,
+    normalized,
+    optimal_coefficients,
+    sqrt_factorization,
+    strategy_matrix,
+    workload,
+    workload_error,
+)
+from opacus_spectral.mechanisms.stream import BandStream
+
+
+def test_one_band_is_dp_sgd_bit_for_bit():
+    assert optimal_coefficients(10, 1) == (1.0,)
+    z = torch.randn(5, 3)
+    assert BandStream((1.0,)).advance("w", z) is z
+
+
+@pytest.mark.parametrize("bands", [2, 3])
+def test_the_released_noise_has_covariance_m_inverse_m_inverse_transposed(bands):
+    """Zero gradients, 40,000 coordinates, 8 steps: the empirical cross-step covariance of the stream's output equals
+    M⁻¹M⁻ᵀ within 0.03 (the std of each entry's estimate is ~ 1/√40000 · (1 + |Σ|) ≈ 0.005-0.01)."""
+    steps, coords = 8, 40_000
+    c = optimal_coefficients(steps, bands)
+    stream = BandStream(c)
+    g = torch.Generator().manual_seed(0)
+    xs = torch.stack([stream.advance("p", torch.randn(coords, generator=g, dtype=torch.float64)) for _ in range(steps)])
+    empirical = xs @ xs.T / coords
+    inv = inverse_matrix(c, steps)
+    torch.testing.assert_close(empirical, inv @ inv.T, atol=0.03, rtol=0)
+    assert float((inv @ inv.T - torch.eye(steps, dtype=torch.float64)).abs().max()) > 0.1  # really correlated
+
+
+@pytest.mark.parametrize(("steps", "bands"), [(9, 3), (12, 4), (10, 2)])
+def test_minsep_sensitivity_is_the_column_sum_at_every_bth_step(steps, bands):
+    """Brute force over every pattern whose participations are ≥ b apart: the worst is participation at 0, b, 2b, …
+    (non-negative, non-increasing coefficients; arXiv 2405.13763 Thm 2), and for b-banded M it is κ·√⌈T/b⌉ = √⌈T/b⌉
+    (columns b apart are orthogonal)."""
+    c = torch.tensor(optimal_coefficients(steps, bands), dtype=torch.float64)
+    assert bool((c >= 0).all()) and bool((c[:-1] >= c[1:]).all())
+    m = strategy_matrix(c, steps)
+    formula = float(m[:, list(range(0, steps, bands))].sum(dim=1).norm())
+    assert minsep_sensitivity(c, steps, bands) == pytest.approx(formula, rel=1e-12)
+    assert formula == pytest.approx(math.sqrt(math.ceil(steps / bands)), rel=1e-9)
+
+
+def test_normalized_coefficients_have_unit_largest_column_norm():
+    for bands in (1, 3, 8):
+        c = optimal_coefficients(32, bands)
+        assert float(column_norms(c, 32).max()) == pytest.approx(1.0, abs=1e-12)
+        assert c[0] > 0
+    with pytest.raises(ValueError, match="c_0"):
+        normalized([0.0, 1.0])
+
+
+def test_more_bands_lower_the_prefix_sum_error_and_the_optimum_beats_its_start():
+    """Prefix sums over 64 steps (noise multiplier 1, unamplified): the RMSE ratio to DP-SGD falls with b."""
+    work = workload(64)
+    base = float(workload_error(torch.tensor([1.0], dtype=torch.float64), work))
+    ratios = []
+    for bands in (1, 2, 4, 8):
+        c = torch.tensor(optimal_coefficients(64, bands), dtype=torch.float64)
+        err = float(workload_error(c, work))
+        assert err <= float(workload_error(normalized(sqrt_factorization(bands)), work)) * (1 + 1e-9)
+        ratios.append(math.sqrt(err / base))
+    assert ratios[0] == pytest.approx(1.0) and ratios == sorted(ratios, reverse=True) and ratios[-1] < 0.6
+
+
+def test_the_workload_of_momentum_and_learning_rates():
+    assert torch.equal(workload(4), torch.tril(torch.ones(4, 4, dtype=torch.float64)))
+    a = workload(4, momentum=0.5, learning_rates=[1.0, 2.0, 1.0, 1.0])
+    # gradient 0 after step 2: η_0 + η_1 β + η_2 β² = 1 + 2·0.5 + 0.25
+    assert float(a[2, 0]) == pytest.approx(2.25) and float(a[0, 1]) == 0.0
+    with pytest.raises(ValueError, match="momentum"):
+        workload(4, momentum=1.0)
+    with pytest.raises(ValueError, match="steps must be"):
+        optimal_coefficients(2, 3)

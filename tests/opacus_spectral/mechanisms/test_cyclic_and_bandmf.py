@@ -1,0 +1,81 @@
+"""Cyclic Poisson sampling and the BandMF mechanism on their own (opacus_spectral.mechanisms): each record is sampled
+only at the steps of its group and at rate p, the partition is a function of its seed alone, the mechanism's
+accounting is DP-SGD with (σ, b·q) charged every b steps, and its declared noise std is the released one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus_spectral.mechanisms.bandmf import BandMFMechanism
+from opacus_spectral.mechanisms.base import Accounting, GaussianMechanism
+from opacus_spectral.mechanisms.cyclic import CyclicPoissonSampler, partition
+
+
+def test_each_record_is_sampled_only_at_its_groups_steps_and_at_rate_p():
+    n, groups, p, steps = 60, 3, 0.4, 600
+    sampler = CyclicPoissonSampler(
+        num_samples=n,
+        groups=groups,
+        sample_rate=p,
+        steps_per_epoch=steps,
+        partition_seed=5,
+        generator=torch.Generator().manual_seed(1),
+    )
+    group_of = {int(i): g for g, part in enumerate(partition(n, groups, 5)) for i in part}
+    counts = torch.zeros(n)
+    for t, batch in enumerate(sampler):
+        assert all(group_of[i] == t % groups for i in batch)
+        counts[batch] += 1
+    per_record = counts / (steps / groups)  # each record's group came up steps / groups times
+    assert abs(float(per_record.mean()) - p) < 0.02  # 60 × 200 Bernoulli draws: std of the mean ≈ 0.0045
+    assert sorted(len(part) for part in partition(n, groups, 5)) == [20, 20, 20]
+
+
+def test_the_partition_is_a_function_of_its_seed_and_a_resume_continues_the_cycle():
+    a = partition(50, 4, seed=9)
+    assert all(torch.equal(x, y) for x, y in zip(a, partition(50, 4, seed=9), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, partition(50, 4, seed=10), strict=True))
+    sampler = CyclicPoissonSampler(num_samples=50, groups=4, sample_rate=1.0, steps_per_epoch=3, partition_seed=9)
+    sampler.step = 6  # a run resumed after 6 steps: the next group is 6 mod 4 = 2
+    assert [sorted(b) for b in sampler] == [sorted(a[g].tolist()) for g in (2, 3, 0)]
+
+
+def test_bandmf_accounting_is_dp_sgd_with_b_times_the_rate_every_b_steps():
+    mech = BandMFMechanism(bands=4)
+    mech.setup(steps=10, sample_rate=0.05, dataset_size=1000)
+    acc = mech.accounting(1.3, 0.05)
+    assert acc == Accounting(1.3, 0.2, 4)
+    assert sum(acc.charge(t) for t in range(10)) == math.ceil(10 / 4)
+    assert GaussianMechanism().accounting(1.3, 0.05) == Accounting(1.3, 0.05, 1)
+
+
+def test_bandmf_refuses_what_it_cannot_account():
+    with pytest.raises(ValueError, match="exceeds the run's 3 steps"):
+        BandMFMechanism(bands=4).setup(steps=3, sample_rate=0.01, dataset_size=100)
+    with pytest.raises(ValueError, match="exceeds 1"):
+        BandMFMechanism(bands=8).setup(steps=100, sample_rate=0.25, dataset_size=100)
+    with pytest.raises(ValueError, match="needs the run's length"):
+        BandMFMechanism(bands=2).setup(steps=None, sample_rate=0.01, dataset_size=100)
+    with pytest.raises(ValueError, match="bands must be"):
+        BandMFMechanism(bands=0)
+
+
+def test_the_declared_std_is_the_released_noise_std_at_every_step_and_restarts_on_reset():
+    mech = BandMFMechanism(bands=3)
+    mech.setup(steps=6, sample_rate=0.01, dataset_size=1000)
+    g = torch.Generator().manual_seed(0)
+    for _restart in range(2):
+        for _ in range(6):
+            declared = mech.std_factor()
+            x = mech.noise("w", torch.randn(200_000, generator=g, dtype=torch.float64))
+            mech.end_step()
+            assert float(x.std()) == pytest.approx(declared, rel=0.01)
+        assert mech.std_factor() == pytest.approx(declared)  # the last row's norm beyond T
+        mech.reset()
+        assert mech.std_factor() == pytest.approx(1 / mech.coefficients[0])
+    one = BandMFMechanism(bands=1)
+    one.setup(steps=5, sample_rate=0.01, dataset_size=1000)
+    z = torch.randn(4)
+    assert one.noise("w", z) is z and one.std_factor() == 1.0
