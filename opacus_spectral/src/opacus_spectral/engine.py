@@ -510,7 +510,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 rand_on_empty=rand_on_empty,
             )
         if self.mechanism_run is not None:
-            out = self.mechanism_run.build_loader(out)
+            out = self.mechanism_run.build_loader(out, distributed=distributed)
         self._hook_accountant(out, sampling)
         return out
 

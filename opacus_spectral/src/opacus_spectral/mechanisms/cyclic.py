@@ -29,8 +29,9 @@ def partition(num_samples: int, groups: int, seed: int) -> list[torch.Tensor]:
 
 class CyclicPoissonSampler(Sampler[list[int]]):
     """Batch sampler: ``steps_per_epoch`` batches per pass; the batch of global step t is group t mod b, each of its
-    records kept with probability ``sample_rate`` (drawn from ``generator``). ``step`` is the global step of the next
-    batch (a resumed run sets it so that the group cycle continues where it stopped)."""
+    records kept with probability ``sample_rate`` (drawn from ``generator``); under DDP (``shard`` = (rank, world
+    size)) a rank keeps only its share of the group, every rank with the same partition. ``step`` is the global step
+    of the next batch (a resumed run sets it so that the group cycle continues where it stopped)."""
 
     def __init__(
         self,
@@ -41,6 +42,7 @@ class CyclicPoissonSampler(Sampler[list[int]]):
         steps_per_epoch: int,
         partition_seed: int,
         generator: torch.Generator | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"cyclic Poisson sampling needs a rate in (0, 1], got {sample_rate}")
@@ -48,6 +50,7 @@ class CyclicPoissonSampler(Sampler[list[int]]):
         self.partition_seed = int(partition_seed)
         self.parts = partition(num_samples, self.groups, self.partition_seed)
         self.generator = generator
+        self.shard = shard  #: (rank, world size): under DDP each rank samples its share of the group
         self.step = 0
 
     def __len__(self) -> int:
@@ -55,7 +58,8 @@ class CyclicPoissonSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps_per_epoch):
-            group = self.parts[self.step % self.groups]
+            rank, world = self.shard
+            group = self.parts[self.step % self.groups][rank::world]
             mask = torch.rand(len(group), generator=self.generator) < self.sample_rate
             self.step += 1
             yield group[mask].tolist()

@@ -10,18 +10,20 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch.distributed as dist
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.utils.data import DataLoader
 
 from ..accounting.bounds import charge_log
-from .base import NoiseMechanism
+from .base import SAMPLERS, Accounting, NoiseMechanism
 from .cyclic import CyclicPoissonSampler
 
 __all__ = [
     "MECHANISM_ATTR",
     "MechanismSpec",
     "accountant_hook",
+    "check_in_step",
     "cyclic_loader",
     "install_noise",
     "mechanism_of",
@@ -38,10 +40,15 @@ class CyclicLoader(DataLoader):
     ``sample_rate`` = B/N like Opacus' ``DPDataLoader``."""
 
     sample_rate: float
+    #: batches a training loop may draw ahead of the step it trains (accelerate's loaders fetch 1 ahead)
+    lookahead: int = 0
 
 
-def cyclic_loader(dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: int) -> CyclicLoader:
-    """The loader of ``dp_loader``'s dataset that samples group t mod b at step t (rate b·B/N within the group)."""
+def cyclic_loader(
+    dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: int, shard: tuple[int, int] = (0, 1)
+) -> CyclicLoader:
+    """The loader of ``dp_loader``'s dataset that samples group t mod b at step t (rate b·B/N within the group;
+    under DDP, ``shard`` = (rank, world size): this rank's share of the group)."""
     q = 1 / len(dp_loader)
     sampler = CyclicPoissonSampler(
         num_samples=len(dp_loader.dataset),
@@ -50,6 +57,7 @@ def cyclic_loader(dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: 
         steps_per_epoch=len(dp_loader),
         partition_seed=partition_seed,
         generator=dp_loader.batch_sampler.generator,
+        shard=shard,
     )
     loader = CyclicLoader(
         dp_loader.dataset,
@@ -68,9 +76,12 @@ def cyclic_loader(dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: 
     return loader
 
 
-def accountant_hook(accountant: Any, mechanism: NoiseMechanism, count: Callable[[int], None]) -> Callable:
+def accountant_hook(
+    accountant: Any, mechanism: NoiseMechanism, count: Callable[[int], None], loader: Any = None
+) -> Callable:
     """The accountant's step hook under ``mechanism``: at DP step t, what its :class:`~.base.Accounting` charges
-    (DP-SGD's (σ′, q′) at every ``every``-th step), reported to the engine's count and to the doctor."""
+    (DP-SGD's (σ′, q′) at every ``every``-th step), reported to the engine's count and to the doctor. With ``loader``
+    (a cyclic loader), each step must train on the group batch the loader drew last (:func:`check_in_step`)."""
     state = {"step": 0}
 
     def hook(optim: DPOptimizer) -> None:
@@ -80,7 +91,10 @@ def accountant_hook(accountant: Any, mechanism: NoiseMechanism, count: Callable[
                 f"{optim.accumulated_iterations} loader batches per step would mix groups (use BatchMemoryManager "
                 "for smaller physical batches instead)"
             )
+        check_in_step(loader, state["step"])
         acc = mechanism.accounting(float(optim.noise_multiplier), 1 / _loader_len(optim))
+        if not isinstance(acc, Accounting):  # the one form the library computes exactly: never a free-form ε
+            raise TypeError(f"noise mechanism {mechanism.name!r} declared accounting {acc!r}, not an Accounting")
         charged = acc.charge(state["step"])
         state["step"] += 1
         if charged:
@@ -90,6 +104,22 @@ def accountant_hook(accountant: Any, mechanism: NoiseMechanism, count: Callable[
 
     hook.state = state  # type: ignore[attr-defined]  # the step, restored by load_checkpoint
     return hook
+
+
+def check_in_step(loader: Any, step: int) -> None:
+    """DP step ``step`` (0-based) must train on the cyclic sampler's batch ``step``: a drawn batch skipped (say, an
+    empty one) would put one group at two steps less than b apart, outside the accounting (each record at most once
+    in every b consecutive steps). Checked where the loader draws in the training process (``num_workers=0``)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, CyclicPoissonSampler) or sampler.groups == 1 or loader.num_workers > 0:
+        return
+    if not 0 <= sampler.step - (step + 1) <= getattr(loader, "lookahead", 0):
+        raise RuntimeError(
+            f"cyclic Poisson sampling: DP step {step + 1} is not trained on batch {step + 1} of the loader "
+            f"make_private returned ({sampler.step} drawn): every batch it yields must be stepped on, an empty one "
+            "included (skipping one puts a group at two steps less than b apart, which the BandMF accounting does "
+            "not cover). Step the optimizer once per batch, in order."
+        )
 
 
 def _loader_len(optim: DPOptimizer) -> float:
@@ -106,9 +136,11 @@ def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_e
     distributed = isinstance(optimizer, DistributedDPOptimizer)
 
     def add_noise() -> None:
-        if distributed and optimizer.rank != 0:
+        if distributed and optimizer.rank != 0:  # rank 0 adds the noise; every rank keeps the same step and std
             for p in optimizer.params:
                 p.grad = p.summed_grad.view_as(p)
+            optimizer._opacus_spectral_std_factor = mechanism.std_factor()
+            mechanism.end_step()
             return
         std = optimizer.noise_multiplier * optimizer.max_grad_norm
         trainable = {id(p) for p in optimizer.params}
@@ -153,6 +185,13 @@ def steps_of(steps: int | None, epochs: float | None, steps_per_epoch: int) -> i
     return None
 
 
+def agreed_seed(seed: int) -> int:
+    """Rank 0's partition seed on every rank (one partition for the whole group of processes)."""
+    box = [int(seed)]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
 #: the key of :meth:`MechanismRun.state_dict` in an engine checkpoint
 CHECKPOINT_KEY = "opacus_spectral_noise_mechanism"
 
@@ -179,6 +218,11 @@ class MechanismRun:
                 raise ValueError("steps= / epochs= size a noise mechanism's run: they need noise_mechanism='bandmf'")
             return None
         mechanism = registry.create_mechanism(spec)
+        if mechanism.sampler not in SAMPLERS:
+            raise ValueError(
+                f"noise mechanism {mechanism.name!r} declares sampler {mechanism.sampler!r}: the engine accounts only "
+                f"{' and '.join(SAMPLERS)} sampling"
+            )
         if not setting.get("poisson_sampling", True):
             raise ValueError(
                 f"noise_mechanism={mechanism.name!r} is accounted for {mechanism.sampler.replace('_', ' ')} sampling "
@@ -188,8 +232,9 @@ class MechanismRun:
             raise ValueError(f"noise_mechanism={mechanism.name!r} needs an upper-bound accountant: 'prv' or 'rdp'")
         return cls(mechanism, steps=steps, epochs=epochs, partition_seed=seed())
 
-    def build_loader(self, dp_loader: Any) -> Any:
-        """Set the mechanism up for this run and return the loader it samples with."""
+    def build_loader(self, dp_loader: Any, *, distributed: bool = False) -> Any:
+        """Set the mechanism up for this run and return the loader it samples with (under DDP: every rank with rank
+        0's partition seed, sampling its share of each group)."""
         steps_per_epoch = len(dp_loader)
         self.mechanism.setup(
             steps=steps_of(*self._length, steps_per_epoch),
@@ -197,13 +242,17 @@ class MechanismRun:
             dataset_size=len(dp_loader.dataset),
         )
         if self.mechanism.sampler == "cyclic_poisson":
-            self.loader = cyclic_loader(dp_loader, self.mechanism, partition_seed=self.partition_seed)
+            shard = (0, 1)
+            if distributed and dist.is_available() and dist.is_initialized():
+                shard = (dist.get_rank(), dist.get_world_size())
+                self.partition_seed = agreed_seed(self.partition_seed)
+            self.loader = cyclic_loader(dp_loader, self.mechanism, partition_seed=self.partition_seed, shard=shard)
             return self.loader
         self.loader = dp_loader
         return dp_loader
 
     def accountant_hook(self, accountant: Any, count: Callable[[int], None]) -> Callable:
-        self.hook = accountant_hook(accountant, self.mechanism, count)
+        self.hook = accountant_hook(accountant, self.mechanism, count, self.loader)
         return self.hook
 
     def install(self, optimizer: DPOptimizer) -> None:
