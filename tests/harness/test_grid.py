@@ -308,3 +308,24 @@ def test_a_worker_waiting_on_anothers_tuning_run_tunes_the_next_cell_and_evaluat
     assert next_run(lambda k: k not in held) == (None, True, 3)  # only the held run left
     result["runs"]["eval|none|sgd|B256|eps3|s0|lr2"] = {}
     assert next_run(lambda k: True) == (None, False, 4)  # all done: the worker stops
+
+
+def test_adambc_optimizers_are_tuned_and_compared_with_adamw_paired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dp_bench.commands import grid, grid_report
+
+    monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
+    argv = ["--smoke", "--methods", "none", "--epsilons", "3", "--out", str(tmp_path), "--name", "bc"]
+    out = grid.main([*argv, "--optimizers", "adamw", "adambc:1e-8", "--no-references"])
+    vs = out["analysis"]["vs_adamw"]
+    assert len(vs) == 1 and next(iter(vs)).startswith("adambc:1e-8|")
+    cells = out["analysis"]["cells"]
+    adamw = {k: c for k, c in cells.items() if k.startswith("adamw|")}
+    ci = next(iter(vs.values()))
+    bc = next(c for k, c in cells.items() if k.startswith("adambc:"))
+    assert ci["mean"] == pytest.approx(bc["final_test"][0] - next(iter(adamw.values()))["final_test"][0], abs=1e-12)
+    assert "− adamw" in grid_report.tables(out)
+    with pytest.raises(SystemExit):
+        grid.main([*argv, "--optimizers", "adambc"])
+    assert "unknown optimizer 'adambc'" in capsys.readouterr().err

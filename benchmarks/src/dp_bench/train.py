@@ -92,7 +92,22 @@ def _optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float
         return torch.optim.Adam(params, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    raise ValueError(f"optimizer must be 'adamw', 'adam' or 'sgd', got {name!r}")
+    gamma = adambc_gamma(name)
+    if gamma is not None:  # DP-AdamBC with AdamW's betas and no weight decay, like "adamw"
+        from opacus_spectral.optimizers import DPAdamBC
+
+        return DPAdamBC(params, lr=lr, gamma=gamma)
+    raise ValueError(f"optimizer must be 'adamw', 'adam', 'sgd' or 'adambc:<gamma>', got {name!r}")
+
+
+def adambc_gamma(name: str) -> float | None:
+    """γ′ of an optimizer named ``adambc:<gamma>`` (DP-AdamBC), else None; a malformed γ′ is a ``ValueError``."""
+    if not name.startswith("adambc:"):
+        return None
+    gamma = float(name.split(":", 1)[1])
+    if not gamma > 0:
+        raise ValueError(f"adambc:<gamma> needs gamma > 0, got {name!r}")
+    return gamma
 
 
 class _PrivateRun:
@@ -342,6 +357,7 @@ def run_dp(
     evaluator: Evaluator | None = None,
     eval_sets_at: Iterable[int] | None = None,
     on_private: Callable[[nn.Module, Any], None] | None = None,
+    noise_mechanism: Any = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` logical DP-SGD steps with ``post_hooks``; per-step records + score curves.
 
@@ -351,7 +367,8 @@ def run_dp(
     :func:`dp_bench.lm_task.lm_score`); ``criterion(logits, y)`` replaces cross-entropy outside ghost mode (e.g.
     :func:`opacus_spectral.causal_lm_loss`). ``on_private(wrapped_model, dp_optimizer)`` runs once after
     ``make_private``, before the first step (the audit attaches its canaries there); ``on_step(step, record,
-    dp_optimizer)`` runs after each logical step.
+    dp_optimizer)`` runs after each logical step. ``noise_mechanism`` (``make_private``'s; default DP-SGD) is sized
+    for ``steps``.
     ``gradient(wrapped_model)`` builds an object whose ``backward(loss_fn)`` replaces ``loss.backward()``; without
     it, the gradient estimator a denoiser of the pipeline offers does (e.g. DiSK's two-point gradient, in the
     ``grad_sample_mode`` it declares: :func:`estimator_grad_sample_mode`). ``sort_by`` (a length per example) sorts
@@ -364,6 +381,8 @@ def run_dp(
     torch.manual_seed(seed + 1)  # the rest of the run's randomness (dropout) is shared by every method of a seed
     engine = _private_engine(accountant, seed)
     private = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, oracle=oracle)
+    if noise_mechanism is not None:
+        private.update(noise_mechanism=noise_mechanism, steps=steps)
     out = _make_private(engine, model, opt, loader, post_hooks, gradient, grad_sample_mode, allow_non_private, private)
     run = _PrivateRun(engine, out, input_names, sort_by, gradient, criterion)
     if on_private is not None:

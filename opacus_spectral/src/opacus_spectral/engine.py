@@ -68,6 +68,8 @@ from .doctor.doctor import Doctor, DoctorSetting, accounted_steps, install_docto
 from .errors import NonPrivateWarning, ShuffledSamplingWarning
 from .mechanisms.install import CHECKPOINT_KEY as MECHANISM_KEY
 from .mechanisms.install import MechanismRun, MechanismSpec
+from .optimizers.adam_bc import DPAdamBC, attach_noise_variance
+from .optimizers.adam_bc import check_denoisers as check_adam_bc
 from .plugins.registry import DenoiserSpec, Registry, get_registry
 from .step.copies import refuse_copies
 from .step.grad_sample import check_per_sample_support, safe_class
@@ -330,6 +332,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         refuse_unknown_keywords("make_private", kwargs, self._keywords(kwargs))
         self._check_noise(kwargs.get("noise_multiplier"), allow_non_private, post_hooks)
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
+        check_adam_bc(kwargs.get("optimizer"), post_hooks)
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         self._generators = []
         if not self.secure_mode and kwargs.get("noise_generator") is None and kwargs.get("optimizer") is not None:
@@ -350,6 +353,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if self.mechanism_run is not None:
             self.mechanism_run.install(out[1])
         refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
+        if isinstance(out[1].original_optimizer, DPAdamBC):  # told each step's noise variance (.optimizers.adam_bc)
+            attach_noise_variance(out[1])
         self._sample_rate = 1 / len(out[-1])  # exactly Opacus' sample_rate for the accountant hook
         pipeline = dict(
             on_error=on_denoiser_error,
@@ -381,6 +386,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         accepted = self._keywords(kwargs) | set(CALIBRATION_KEYWORDS)
         refuse_unknown_keywords("make_private_with_epsilon", kwargs, accepted)
         _check_max_grad_norm(kwargs.get("max_grad_norm", 1.0))
+        check_adam_bc(kwargs.get("optimizer"), post_hooks)
         self._drop_previous_pipeline(kwargs.get("optimizer"))
         options = dict(
             post_hooks=post_hooks,

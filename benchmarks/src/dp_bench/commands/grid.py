@@ -62,7 +62,7 @@ from ..runner import Cell
 from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
 from ..timing import timed_steps
-from ..train import run_dp
+from ..train import adambc_gamma, run_dp
 from ..vision import build
 from . import grid_report, lm_report
 
@@ -107,7 +107,7 @@ class Config:
         only={"model": ("minilm",)},
     )
     methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
-    optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9) and/or adamw", choices=("sgd", "adamw"))
+    optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9), adamw and/or adambc:<gamma> (DP-AdamBC, floor gamma)")
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
     epsilons: list[float] = opt([1.0, 3.0, 8.0], "target ε (δ = 1e-5)")
     references: bool = opt(True, "also run the non-private and the clipping-only references")
@@ -152,6 +152,9 @@ class Config:
     smoke: bool = opt(False, "tiny budget (plumbing check)")
 
     def validate(self) -> None:
+        for name in self.optimizers:
+            if name not in ("sgd", "adamw") and adambc_gamma(name) is None:
+                raise ValueError(f"unknown optimizer {name!r}: sgd, adamw or adambc:<gamma> (e.g. adambc:1e-8)")
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
@@ -183,7 +186,7 @@ class Config:
     def lr_grid(self, optimizer: str, method: str) -> list[float]:
         if method == "nonprivate" and optimizer == "sgd":
             return self.lr_grid_nonprivate  # unclipped gradients are larger than clipped ones
-        return self.lr_grid_sgd if optimizer == "sgd" else self.lr_grid_adamw
+        return self.lr_grid_sgd if optimizer == "sgd" else self.lr_grid_adamw  # adambc: AdamW's grid
 
 
 #: --smoke --model smollm2: a slice of the corpus (the split by work kept: one work per split)

@@ -93,6 +93,9 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
             entry["epsilon_rdp"] = float(np.mean(eps_rdp))
         cells[f"{o}|B{b}|eps{e:g}|{m}"] = entry
     out = {"cells": cells, "epsilon_to_target": _eps_to_target(by, cfg), "vs_best_peer": _vs_best_peer(by)}
+    vs_adamw = _vs_adamw(by)
+    if vs_adamw:  # only in grids with DP-AdamBC (the other grids' JSON stays as it was)
+        out["vs_adamw"] = vs_adamw
     for family in families(out).values():
         holm_family(list(family.values()))
     return out
@@ -112,7 +115,21 @@ def families(an: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
             k: v["epsilon_saved"] for k, v in an["epsilon_to_target"].items() if k.split("|")[-1] != BASELINE
         },
         "vs_best_peer": {k: v["diff"] for k, v in an["vs_best_peer"].items()},
+        **({"vs_adamw": an["vs_adamw"]} if an.get("vs_adamw") else {}),
     }
+
+
+def _vs_adamw(by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per (``adambc:<γ′>``, B, ε, method): its final test accuracy minus AdamW's (same method, B, ε), paired by
+    seed, with the 95 % t-interval."""
+    out: dict[str, Any] = {}
+    for (o, b, e, m), seeds in sorted(by.items()):
+        base = by.get(("adamw", b, e, m))
+        if not o.startswith("adambc:") or not base:
+            continue
+        common = sorted(set(seeds) & set(base))
+        out[f"{o}|B{b}|eps{e:g}|{m}"] = paired_ci([seeds[s]["final_test"] - base[s]["final_test"] for s in common])
+    return out
 
 
 def pooled_holm(paths: Sequence[str | Path], family: str = "accuracy_vs_none") -> str:
@@ -247,7 +264,26 @@ def tables(result: dict[str, Any]) -> str:
         for k, v in peer.items():
             o, b, e, m = k.split("|")
             lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} | {fmt_p(v['diff'])} |")
+    lines += _vs_adamw_table(result, an)
     return "\n".join(lines) + "\n"
+
+
+def _vs_adamw_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
+    """DP-AdamBC − AdamW, with each optimizer's best validation accuracy of its learning-rate runs (the γ′ chosen
+    on validation is the one with the highest)."""
+    if not an.get("vs_adamw"):
+        return []
+    lines = [
+        "",
+        "| opt | B | ε | method | best validation acc (lr runs) | − adamw, points [95 % CI] | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, ci in an["vs_adamw"].items():
+        o, b, e, m = k.split("|")
+        tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b[1:]}", {}).get("val", {})
+        best = f"{100 * max(tried.values()):.2f}" if tried else "–"
+        lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {best} | {_fmt_ci(ci)} | {fmt_p(ci)} |")
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
