@@ -86,6 +86,26 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }
 REFERENCES = ("nonprivate", "clip-only")
+
+
+def bands_of(method: str) -> int | None:
+    """b of a method named ``bandmf:<b>`` (DP-SGD's clipping and the BandMF noise mechanism with b bands, no
+    denoiser: ``docs/mechanisms.md``), else None."""
+    if not method.startswith("bandmf:"):
+        return None
+    bands = int(method.split(":", 1)[1])
+    if bands < 1:
+        raise ValueError(f"bandmf:<b> needs b >= 1, got {method!r}")
+    return bands
+
+
+def accounting(method: str, q: float, steps: int) -> tuple[float, int]:
+    """The (sample rate, steps) the accountant charges a method at Poisson rate ``q`` over ``steps``: BandMF's
+    (b·q, ⌈steps/b⌉) with cyclic Poisson sampling, DP-SGD's (q, steps) otherwise."""
+    bands = bands_of(method) or 1
+    return bands * q, math.ceil(steps / bands)
+
+
 #: the settings only the causal-LM bed reads (recorded as None for the others: :func:`dp_bench.config.as_json`)
 SMOLLM2 = {"model": ("smollm2",)}
 LR_GRIDS = {"sgd": [0.5, 1.0, 2.0, 4.0], "adamw": [5e-4, 1e-3, 2e-3, 4e-3]}
@@ -106,7 +126,9 @@ class Config:
         "--model minilm: encoder layers trained (LoRA on each); the layers below are cached",
         only={"model": ("minilm",)},
     )
-    methods: list[str] = opt(["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS))
+    methods: list[str] = opt(
+        ["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS) + ", bandmf:<b> (BandMF noise)"
+    )
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9), adamw and/or adambc:<gamma> (DP-AdamBC, floor gamma)")
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
     epsilons: list[float] = opt([1.0, 3.0, 8.0], "target ε (δ = 1e-5)")
@@ -155,7 +177,7 @@ class Config:
         for name in self.optimizers:
             if name not in ("sgd", "adamw") and adambc_gamma(name) is None:
                 raise ValueError(f"unknown optimizer {name!r}: sgd, adamw or adambc:<gamma> (e.g. adambc:1e-8)")
-        unknown = sorted(set(self.methods) - set(METHODS))
+        unknown = sorted(m for m in set(self.methods) - set(METHODS) if bands_of(m) is None)
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
         if "none" not in self.methods:
@@ -302,8 +324,13 @@ def method_setup(cfg: Config, method: str, eps: float, q: float, steps: int) -> 
         return [], cfg.momentum, 0.0, 1e6
     if method == "clip-only":
         return [], cfg.momentum, 0.0, cfg.max_grad_norm
-    hooks, momentum = METHODS[method]
-    return hooks, cfg.momentum if momentum is None else momentum, calibrate(eps, q, steps), cfg.max_grad_norm
+    hooks, momentum = METHODS.get(method, ([], None))  # bandmf:<b>: no denoiser, calibrated for its accounting
+    return (
+        hooks,
+        cfg.momentum if momentum is None else momentum,
+        calibrate(eps, *accounting(method, q, steps)),
+        cfg.max_grad_norm,
+    )
 
 
 def checkpoints_at(cfg: Config, steps: int) -> list[int]:
@@ -387,6 +414,7 @@ def one_run(
         desc=f"{method} {optimizer} B{batch}",
         on_step=oracle if nm > 0 else None,
         eval_sets={"val": task.val},
+        noise_mechanism=None if bands_of(method) is None else ("bandmf", {"bands": bands_of(method)}),
         **bed_options(cfg, task, batch, steps),
     )
     return {
@@ -399,7 +427,7 @@ def one_run(
         "steps": steps,
         "noise_multiplier": nm,
         "sample_rate": q,
-        **outcome(r, oracle, nm, q, steps),
+        **outcome(r, oracle, nm, *accounting(method, q, steps)),
         "wall_seconds": time.perf_counter() - t0,
     }
 
