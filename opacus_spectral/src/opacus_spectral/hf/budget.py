@@ -1,5 +1,6 @@
 """The privacy budget of a ``DPTrainer`` run: how many DP steps fit within ``target_epsilon``, and the callback
-that stops training there and checks that the accountant counted every optimizer step (``docs/trainer.md``)."""
+that stops training there and checks that the accountant counted every optimizer step (``docs/trainer.md``) — one
+accountant step every b DP steps under BandMF with b bands (``docs/mechanisms.md``)."""
 
 from __future__ import annotations
 
@@ -70,14 +71,17 @@ class DPControl(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         counted = accounted_steps(t.privacy_engine.accountant) - t.prior_steps  # this run's (.privacy_record)
-        if counted != state.global_step:
+        every = t.accounted_every
+        if counted != -(-state.global_step // every):
+            charges = "" if every == 1 else f", which charge {-(-state.global_step // every)} (one every {every})"
             raise RuntimeError(
-                f"the accountant counted {counted} DP steps but the Trainer took {state.global_step} optimizer steps: "
-                "some update was not privatized as accounted (was the optimizer stepped outside DPTrainer?)"
+                f"the accountant counted {counted} DP steps but the Trainer took {state.global_step} optimizer steps"
+                f"{charges}: some update was not privatized as accounted (was the optimizer stepped outside DPTrainer?)"
             )
-        if t.budget_steps is not None and counted >= t.budget_steps:
+        step = state.global_step
+        if t.budget_steps is not None and step >= t.budget_steps:
             warnings.warn(
-                f"stopping at step {counted}: one more step would exceed target_epsilon={t.args.target_epsilon} "
+                f"stopping at step {step}: one more step would exceed target_epsilon={t.args.target_epsilon} "
                 f"(epsilon now {t.get_epsilon():.4g})",
                 RuntimeWarning,
                 stacklevel=2,

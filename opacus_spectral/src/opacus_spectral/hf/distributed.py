@@ -12,7 +12,10 @@ Opacus' distributed DP-SGD, driven by the Trainer (``docs/upstream.md`` ยง1.2, ย
   gradients are summed over ranks and divided by the expected batch (per rank) times the world size, and the
   denoisers run after that all-reduce, on the same gradient on every rank;
 * at the start of training the ranks check among themselves that they hold the same dataset in the same order and
-  the same sampling and DP set-up (:func:`check_ranks_agree`): the split into shards assumes it.
+  the same sampling and DP set-up (:func:`check_ranks_agree`): the split into shards assumes it;
+* a noise mechanism with cyclic Poisson sampling (``bandmf``): ``make_private`` builds each rank's sampler of its
+  share of group t mod b, with rank 0's partition seed on every rank; the ranks then check that they hold the same
+  partition seed and step (:func:`mechanism_setup`, after a resume too); rank 0 alone adds the (correlated) noise.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "check_ranks_agree",
     "dataset_fingerprint",
     "is_distributed",
+    "mechanism_setup",
     "rank_wrapper",
     "run_setup",
     "unsupported_parallelism",
@@ -192,7 +196,14 @@ def run_setup(trainer: Any, dataset: Any) -> dict[str, Any]:
         "target_delta": trainer.args.target_delta,
         "accountant": trainer.privacy_engine.accountant.mechanism(),
         "grad_sample_mode": trainer.args.grad_sample_mode,
+        "noise_mechanism": trainer.args.noise_mechanism,
     }
+
+
+def mechanism_setup(run: Any) -> dict[str, Any]:
+    """What every rank must share once ``make_private`` built a noise mechanism's sampler (and a resume restored
+    it): the partition seed (public, ``docs/mechanisms.md``) and the sampler's step in the group cycle."""
+    return {"partition seed": run.partition_seed, "sampler step": run.loader.batch_sampler.step}
 
 
 def check_ranks_agree(local: dict[str, Any]) -> None:

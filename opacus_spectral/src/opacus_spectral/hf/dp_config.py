@@ -23,6 +23,7 @@ from transformers import TrainingArguments
 
 from ..denoisers.base import denoiser_name
 from .loss import TASKS
+from .mechanism import check_mechanism, read_mechanism
 
 __all__ = ["MODES", "REDACTED_NOISE_SEED", "SETTINGS", "DPTrainingArguments", "check_dp_settings"]
 
@@ -44,6 +45,9 @@ _SET_BY_TRAINER = (
     "post_hooks",
     "doctor",
     "batch_check",
+    "noise_mechanism",
+    "steps",
+    "epochs",
 )
 
 
@@ -82,6 +86,13 @@ class DPTrainingArguments(TrainingArguments):
         metadata={
             "help": "Denoisers run on the noisy gradient of each step, in order: registered names, "
             "(name, {kwargs}) pairs (on the command line a JSON pair '[\"rmt\", {...}]') or denoiser objects."
+        },
+    )
+    noise_mechanism: dict | str | None = field(
+        default="gaussian",
+        metadata={
+            "help": "What is added to the clipped sum each step: 'gaussian' (DP-SGD), 'bandmf' (4 bands), or a JSON "
+            'object \'{"name": "bandmf", "bands": 4}\' (docs/mechanisms.md).'
         },
     )
     grad_sample_mode: str = field(default="hooks", metadata={"help": "Per-example gradients.", "choices": list(MODES)})
@@ -136,6 +147,7 @@ class DPTrainingArguments(TrainingArguments):
         super().__post_init__()
         self.doctor, self.batch_check = _setting("doctor", self.doctor), _setting("batch_check", self.batch_check)
         self.post_hooks = _post_hooks(self.post_hooks)
+        self.noise_mechanism = read_mechanism(self.noise_mechanism)
         check_dp_settings(self)
 
     # -- what leaves the process: no secrets ------------------------------------------------------------
@@ -224,6 +236,7 @@ def check_dp_settings(a: "DPTrainingArguments") -> None:
                 "pass the object again"
             )
     _check_noise_settings(a)
+    check_mechanism(a.noise_mechanism)
     _check_make_private_kwargs(a.make_private_kwargs)
 
 

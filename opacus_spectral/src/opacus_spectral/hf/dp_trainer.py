@@ -7,12 +7,15 @@ What it changes in ``transformers.Trainer`` (5.x), and where (what it refuses: :
   loader of logical batches of ``per_device_train_batch_size × gradient_accumulation_steps`` examples, drawn with
   the engine's sampler generator: OS entropy, or ``noise_seed``; never the global RNG the Trainer seeds), each
   logical batch split into ``gradient_accumulation_steps`` physical batches (:class:`PhysicalBatches`), so the
-  Trainer's accumulation loop sees exactly that many micro-batches per optimizer step;
+  Trainer's accumulation loop sees exactly that many micro-batches per optimizer step; under a noise mechanism with
+  its own sampler (``noise_mechanism="bandmf"``: cyclic Poisson) the logical batches are drawn by the sampler
+  ``make_private`` builds and charges for (:mod:`~opacus_spectral.hf.mechanism`);
 * ``create_optimizer``: the Trainer's optimizer goes through ``opacus_spectral.PrivacyEngine.make_private``
   (``wrap_model=False``: the model stays the user's ``PeftModel``), the noise multiplier from
-  :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` for the run's ``max_steps`` and the same
-  accountant (with a privacy record on the model, :mod:`~opacus_spectral.accounting.record`: for that history and this
-  run together); a resumed run's accountant and denoiser state are restored;
+  :func:`~opacus_spectral.accounting.calibration.noise_multiplier_for` for the run's ``max_steps`` (through the
+  noise mechanism's accounting) and the same accountant (with a privacy record on the model,
+  :mod:`~opacus_spectral.accounting.record`: for that history and this run together); a resumed run's accountant,
+  denoiser and noise-mechanism state are restored;
 * ``_save``: the privacy record beside the adapter (``privacy_record.json``);
 * ``_wrap_model``: across processes (``torchrun``) the model goes into Opacus' ``DPDDP``, never torch DDP, the logical
   batch spans the ranks and each rank samples its own share of the records (:mod:`~opacus_spectral.hf.distributed`);
@@ -76,17 +79,20 @@ from .distributed import (
     check_evaluation,
     check_ranks_agree,
     is_distributed,
+    mechanism_setup,
     rank_wrapper,
     run_setup,
 )
 from .dp_config import DPTrainingArguments, check_dp_settings
 from .logs import drop_unlisted
 from .loss import example_losses, next_token_loss_sum, opacus_loss, resolve_task, task_of_batch
+from .mechanism import PendingSampler, accounted, accounting_of, bind_sampler, mechanism_spec, resume_sampler
 from .physical_batches import EmptyAwareCollate, PhysicalBatches, batch_size
 from .precision import check_trainable_dtypes
 from .progress import install_progress
 from .state import (
     DP_STATE_FILE,
+    MECHANISM_KEY,
     check_parameters,
     check_resume,
     dp_state,
@@ -131,6 +137,7 @@ class DPTrainer(Trainer):
         _check_arguments(args, kwargs)
         check_dp_settings(args)  # again: arguments unpickled or edited since they were built
         self._denoisers = None if args.post_hooks is None else create_denoisers(args.post_hooks)
+        self._mechanism = mechanism_spec(args.noise_mechanism)  #: make_private's noise_mechanism (None: gaussian)
         super().__init__(model, args, *more, **kwargs)
         self.args: DPTrainingArguments
         self.criterion = criterion
@@ -146,6 +153,7 @@ class DPTrainer(Trainer):
         )
         self.sample_rate: float | None = None
         self.budget_steps: int | None = None  #: DP steps (total) within target_epsilon; None: the whole run fits
+        self.accounted_every = 1  #: the noise mechanism charges one accountant step every this many DP steps
         self.controller: Any = None  #: the alternation controller a plugin attached for this run, if any
         self._logical_loader: DataLoader | None = None
         self._dp: DPOptimizer | None = None
@@ -181,20 +189,25 @@ class DPTrainer(Trainer):
         check_train_dataset(dataset)
         self._check_data = (dataset, collate)
         k, ranks = self.args.gradient_accumulation_steps, max(1, self.args.world_size)
-        logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate)
         generator = self.privacy_engine.sampler_generator(distributed=ranks > 1)
+        own = None if self._mechanism is None else generator  # make_private's sampler draws with the Trainer's
+        logical = DataLoader(dataset, batch_size=self._train_batch_size * k * ranks, collate_fn=collate, generator=own)
         poisson = DPDataLoader.from_data_loader(logical, generator=generator, distributed=ranks > 1)
         self._logical_loader, self.sample_rate = logical, poisson.sample_rate
         self._poisson_sampler = poisson.batch_sampler  # what the doctor pairs DP steps with (create_optimizer)
+        if self._mechanism is not None:  # the mechanism's sampler, once make_private built it (.mechanism)
+            self._poisson_sampler = PendingSampler(len(poisson.batch_sampler))
         install_progress(self)  # a timed bar added since construction (.trainer_progress)
         if ranks > 1:  # the same data, order and set-up on every rank (checked among them); this rank's shard at
             check_ranks_agree(run_setup(self, dataset))  # rate q, an empty batch included (.trainer_distributed)
+        if ranks > 1 and self._mechanism is None:  # a mechanism's sampler shards each group itself (make_private)
             self._poisson_sampler = LockstepPoissonSampler(
                 total_size=len(dataset), sample_rate=self.sample_rate, generator=generator
             )
+        self._physical = PhysicalBatches(self._poisson_sampler, k)
         return DataLoader(
             dataset,
-            batch_sampler=PhysicalBatches(self._poisson_sampler, k),
+            batch_sampler=self._physical,
             collate_fn=EmptyAwareCollate(collate, dataset),
             generator=generator,  # as Opacus' DPDataLoader: each epoch's iterator draws its base seed from it
             num_workers=self.args.dataloader_num_workers,
@@ -213,6 +226,9 @@ class DPTrainer(Trainer):
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("pass a plain torch optimizer (optimizers=...): DPTrainer makes it private itself")
         check_trainable_dtypes(optimizer)
+        size, steps = len(self._logical_loader.dataset), self.state.max_steps
+        accounting = accounting_of(self.args.noise_mechanism, self.sample_rate, steps=steps, dataset_size=size)
+        self.accounted_every = accounting.every
         noise_multiplier = self.noise_multiplier
         if noise_multiplier is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
@@ -221,12 +237,14 @@ class DPTrainer(Trainer):
                 prior,
                 target_epsilon=self.args.target_epsilon,
                 target_delta=self.args.target_delta,
-                sample_rate=self.sample_rate,
-                steps=self.state.max_steps,
+                sample_rate=accounting.sample_rate,
+                steps=accounted(self.state.max_steps, accounting.every),
                 accountant=self.privacy_engine.accountant.mechanism(),
             )
         criterion = self.criterion or trainer_loss.ghost_criterion(self.label_smoother)  # smoothed per example
         extra: dict[str, Any] = {"criterion": criterion} if self._ghost else {}
+        if self._mechanism is not None:  # its coefficients are optimized for the run's length
+            extra.update(noise_mechanism=self._mechanism, steps=self.state.max_steps)
         self.model.train()  # as training_step does; evaluate() or from_pretrained leave eval mode, Opacus refuses it
         if is_distributed(self):  # Opacus' DPDDP: make_private builds the distributed optimizer
             self._ranks = rank_wrapper(self.model)
@@ -249,26 +267,37 @@ class DPTrainer(Trainer):
         )
         self._hooks, self._dp = out[0], out[1]
         self._dp_criterion = out[2] if self._ghost else None
-        if self.privacy_engine.doctor is not None:  # the steps draw from our Poisson loader, not make_private's
-            self.privacy_engine.doctor.watch_batches(self._poisson_sampler)
+        watched = self._poisson_sampler
+        if self.privacy_engine.mechanism_run is not None:  # train on the sampler the accountant is charged for
+            watched = bind_sampler(self.privacy_engine.mechanism_run, self._physical, self.args)
+            self._poisson_sampler = watched.batch_sampler
+        if self.privacy_engine.doctor is not None:  # the steps draw from our loader, not make_private's
+            self.privacy_engine.doctor.watch_batches(watched)
         if out[-1].sample_rate != self.sample_rate:  # the loader we train on and the accountant must agree
             raise RuntimeError(f"sample rates differ: loader {self.sample_rate}, accountant {out[-1].sample_rate}")
         self.noise_multiplier = self._dp.noise_multiplier
         set_run_delta(self.privacy_engine, self.args.target_delta)
         if self._resume is not None:
             self._restore(self._resume)
+        if self._ranks is not None and self.privacy_engine.mechanism_run is not None:  # one partition, one cycle
+            check_ranks_agree(mechanism_setup(self.privacy_engine.mechanism_run))
         self.prior_steps = composed_steps(self.privacy_engine)  # the accountant's history starts with them
-        total = budget_steps(
-            self.privacy_engine.accountant,
-            max_steps=self.state.max_steps + self.prior_steps,
-            target_epsilon=self.args.target_epsilon,
-            noise_multiplier=self.noise_multiplier,
-            sample_rate=self.sample_rate,
-            delta=self.args.target_delta,
-        )
-        self.budget_steps = None if total is None else total - self.prior_steps
+        self._set_budget(accounting)
         self.optimizer = self._dp
         return self._dp
+
+    def _set_budget(self, accounting: Any) -> None:
+        """:attr:`budget_steps`: the DP steps within ``target_epsilon``, counted in the accountant's steps (one every
+        ``accounting.every`` DP steps, at rate ``accounting.sample_rate``) and converted back (× every)."""
+        total = budget_steps(
+            self.privacy_engine.accountant,
+            max_steps=accounted(self.state.max_steps, accounting.every) + self.prior_steps,
+            target_epsilon=self.args.target_epsilon,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=accounting.sample_rate,
+            delta=self.args.target_delta,
+        )
+        self.budget_steps = None if total is None else (total - self.prior_steps) * accounting.every
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """Across processes: the model in Opacus' DPDDP (accelerate's autocast and placement, never torch DDP)."""
@@ -471,7 +500,7 @@ class DPTrainer(Trainer):
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _dp_config(self) -> dict[str, Any]:
-        handle = self.privacy_engine.post_hooks
+        handle, run = self.privacy_engine.post_hooks, self.privacy_engine.mechanism_run
         return {
             "mechanism": self.privacy_engine.accountant.mechanism(),
             "noise_multiplier": float(self.noise_multiplier),
@@ -481,9 +510,11 @@ class DPTrainer(Trainer):
             "target_epsilon": None if self.args.target_epsilon is None else float(self.args.target_epsilon),
             "grad_sample_mode": self.args.grad_sample_mode,
             "denoisers": None if handle is None else [denoiser_name(d) for d in handle.denoisers],
+            "noise_mechanism": {"name": "gaussian"} if run is None else run.mechanism.describe(),
         }
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        run = self.privacy_engine.mechanism_run
         if self._dp is not None and self.args.should_save:
             out = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(out, exist_ok=True)
@@ -494,6 +525,7 @@ class DPTrainer(Trainer):
                 self.state.global_step,
                 parameters_digest(self.model, self._dp.original_optimizer),
                 resume_state(self.privacy_engine),
+                None if run is None else run.state_dict(),  # never the noise buffers
             )
             torch.save(state, os.path.join(out, DP_STATE_FILE))
         super()._save_checkpoint(model, trial)
@@ -515,8 +547,14 @@ class DPTrainer(Trainer):
     def _restore(self, evidence: Any) -> None:
         """Restore the accountant and denoiser state of a checkpoint, refusing one of another DP set-up or one
         that disagrees with the Trainer's step counters or the loaded weights (:mod:`~opacus_spectral.hf.state`)."""
-        check_resume(evidence, self._dp_config(), global_step=self.state.global_step)
+        step = self.state.global_step
+        check_resume(evidence, self._dp_config(), global_step=step, every=self.accounted_every)
         check_parameters(evidence, parameters_digest(self.model, self._dp.original_optimizer))
+        run = self.privacy_engine.mechanism_run
+        if run is not None:  # the same partition, the group cycle continued, a fresh noise stream
+            skipped = 0 if self.args.ignore_data_skip else step % len(self._poisson_sampler)  # the Trainer's skip
+            where = f"{evidence.directory}/{DP_STATE_FILE}"
+            resume_sampler(run, evidence.dp.get(MECHANISM_KEY), where=where, global_step=step, skipped=skipped)
         self.privacy_engine.accountant.load_state_dict(evidence.dp["accountant"])
         restore_record(self.privacy_engine, evidence.dp.get(RECORD_STATE_KEY))
         if evidence.dp["post_hooks"] is not None:

@@ -3,13 +3,16 @@
 A checkpoint directory holds the weights, the Trainer's ``trainer_state.json`` (``global_step``), ``optimizer.pt``
 (Adam-type optimizers count each parameter's steps) and ``scheduler.pt`` (the scheduler's ``last_epoch``), and
 DPTrainer's ``opacus_spectral_dp.pt``: the DP set-up, the accountant's history, the denoisers' state, the step,
-a digest of the trained parameters and the privacy record the run composed with
-(:mod:`~opacus_spectral.accounting.record`; the history starts with it). It holds no random generator's state: the noise
-and the Poisson sample come from generators that are never saved (``docs/trainer.md``, "Noise and reproducibility").
+a digest of the trained parameters, the privacy record the run composed with
+(:mod:`~opacus_spectral.accounting.record`; the history starts with it) and, under a noise mechanism other than
+``"gaussian"``, ``noise_mechanism``: its name and settings, the partition seed and the step (the engine's
+``MechanismRun.state_dict``), never its noise buffers. It holds no random generator's state: the noise and the
+Poisson sample come from generators that are never saved (``docs/trainer.md``, "Noise and reproducibility").
 
-On resume the accountant's history must be the configured noise multiplier and sample rate for exactly
-``global_step`` steps, the Trainer's and the DP state's step must agree, no counter beside them may have counted
-more steps, and the loaded parameters must be the ones the DP state was saved with. These are consistency checks:
+On resume the accountant's history must be the configured noise multiplier and sample rate for exactly the
+steps ``global_step`` DP steps charge (⌈global_step / b⌉ under BandMF with b bands), the Trainer's and the DP
+state's step must agree, no counter beside them may have counted more steps, and the loaded parameters must be the
+ones the DP state was saved with. These are consistency checks:
 they refuse edited or mixed checkpoints, not one forged consistently in every file (that needs a key; keep
 checkpoints where only you write).
 """
@@ -30,6 +33,7 @@ from ..accounting.record import STATE_KEY, resumed_prefix, run_history
 
 __all__ = [
     "DP_STATE_FILE",
+    "MECHANISM_KEY",
     "ResumeEvidence",
     "check_parameters",
     "check_resume",
@@ -40,7 +44,9 @@ __all__ = [
 ]
 
 DP_STATE_FILE = "opacus_spectral_dp.pt"
-FORMAT = 3  #: 3: the clipping bound is "per_sample_max_grad_norm" (DPTrainingArguments)
+FORMAT = 4  #: 4: the noise mechanism in "config" and "noise_mechanism"; 3: the bound is "per_sample_max_grad_norm"
+#: the key of the noise mechanism's state (the key "mechanism" of the config names the accountant)
+MECHANISM_KEY = "noise_mechanism"
 #: the DP set-up a resumed run must share with its checkpoint
 COMPARED = (
     "mechanism",
@@ -51,6 +57,7 @@ COMPARED = (
     "target_epsilon",
     "grad_sample_mode",
     "denoisers",
+    "noise_mechanism",
 )
 _TRAINER_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 
@@ -67,11 +74,19 @@ def parameters_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
 
 
 def dp_state(
-    config: dict[str, Any], accountant: Any, post_hooks: Any, global_step: int, digest: str, record: Any = None
+    config: dict[str, Any],
+    accountant: Any,
+    post_hooks: Any,
+    global_step: int,
+    digest: str,
+    record: Any = None,
+    mechanism: dict[str, Any] | None = None,
 ) -> dict:
     """What ``opacus_spectral_dp.pt`` holds (numbers, strings, tensors of denoiser state; no generator state);
-    ``record``: the privacy record the run composed with (:func:`~opacus_spectral.accounting.record.resume_state`)."""
+    ``record``: the privacy record the run composed with (:func:`~opacus_spectral.accounting.record.resume_state`);
+    ``mechanism``: the noise mechanism's ``MechanismRun.state_dict()`` (no noise buffer; no key for gaussian)."""
     return {
+        **({} if mechanism is None else {MECHANISM_KEY: mechanism}),
         "format": FORMAT,
         "config": config,
         "accountant": dict(accountant.state_dict()),
@@ -120,8 +135,9 @@ def read_checkpoint(directory: str) -> ResumeEvidence:
     )
 
 
-def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_step: int) -> None:
-    """Refuse (``ValueError`` naming the mismatch) DP state that disagrees with ``config`` or the step counters."""
+def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_step: int, every: int = 1) -> None:
+    """Refuse (``ValueError`` naming the mismatch) DP state that disagrees with ``config`` or the step counters;
+    ``every``: the noise mechanism charges one accountant step every ``every`` DP steps."""
     saved = evidence.dp["config"]
     differ = [f"{k}: checkpoint {saved.get(k)!r}, now {config[k]!r}" for k in COMPARED if saved.get(k) != config[k]]
     if differ:
@@ -142,7 +158,7 @@ def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_ste
         _own_history(evidence.dp, where),
         noise_multiplier=config["noise_multiplier"],
         sample_rate=config["sample_rate"],
-        steps=step,
+        steps=-(-step // every),
         where=where,
     )
     counters = {
