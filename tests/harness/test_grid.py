@@ -325,7 +325,8 @@ def test_adambc_optimizers_are_tuned_and_compared_with_adamw_paired(
     ci = next(iter(vs.values()))
     bc = next(c for k, c in cells.items() if k.startswith("adambc:"))
     assert ci["mean"] == pytest.approx(bc["final_test"][0] - next(iter(adamw.values()))["final_test"][0], abs=1e-12)
-    assert "− adamw" in grid_report.tables(out)
+    best = max(out["lr_choice"][next(k for k in out["lr_choice"] if "|adambc:1e-8|" in k)]["val"].values())
+    assert "− adamw" in grid_report.tables(out) and f"| {100 * best:.2f} |" in grid_report.tables(out)
     with pytest.raises(SystemExit):
         grid.main([*argv, "--optimizers", "adambc"])
     assert "unknown optimizer 'adambc'" in capsys.readouterr().err

@@ -338,16 +338,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not self.secure_mode and kwargs.get("noise_generator") is None and kwargs.get("optimizer") is not None:
             kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
             self._generators.append((kwargs["noise_generator"], "noise", 0))
-        self.mechanism_run = MechanismRun.create(
-            self.registry or get_registry(),
-            noise_mechanism,
-            steps=steps,
-            epochs=epochs,
-            seed=self.noise_source.partition_seed,
-            poisson_sampling=kwargs.get("poisson_sampling", True),
-            accountant=self.accountant.mechanism(),
-        )
-        noise = None if self.mechanism_run is None else self.mechanism_run.mechanism
+        noise = self._create_mechanism(noise_mechanism, steps, epochs, kwargs.get("poisson_sampling", True))
         compose_privacy_record(self, new_privacy_unit=new_privacy_unit, noise=noise, **kwargs)  # ε continues
         out = super().make_private(*args, **kwargs)
         if self.mechanism_run is not None:
@@ -428,6 +419,20 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self.post_hooks = install_post_hooks(out[1], post_hooks, module=out[0], registry=self.registry, **pipeline)
             if self.mechanism_run is not None:
                 self.mechanism_run.check_denoisers(self.post_hooks.denoisers)
+
+    def _create_mechanism(self, spec: Any, steps: Any, epochs: Any, poisson_sampling: bool) -> Any:
+        """:attr:`mechanism_run` for ``make_private(noise_mechanism=spec)`` (None: Opacus' own noise); returns its
+        mechanism (``docs/mechanisms.md``)."""
+        self.mechanism_run = MechanismRun.create(
+            self.registry or get_registry(),
+            spec,
+            steps=steps,
+            epochs=epochs,
+            seed=self.noise_source.partition_seed,
+            poisson_sampling=poisson_sampling,
+            accountant=self.accountant.mechanism(),
+        )
+        return None if self.mechanism_run is None else self.mechanism_run.mechanism
 
     def _private_with_epsilon(
         self, *args: Any, target_epsilon: float, target_delta: float, epochs: float, **kwargs: Any

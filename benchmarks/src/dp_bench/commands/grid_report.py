@@ -280,7 +280,7 @@ def _vs_adamw_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
     ]
     for k, ci in an["vs_adamw"].items():
         o, b, e, m = k.split("|")
-        tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b[1:]}", {}).get("val", {})
+        tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b}", {}).get("val", {})
         best = f"{100 * max(tried.values()):.2f}" if tried else "–"
         lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {best} | {_fmt_ci(ci)} | {fmt_p(ci)} |")
     return lines
