@@ -111,6 +111,11 @@ OTHER = {
         ["--experiment", "fdp-validity", "--fv-out", "{tmp}/audit_fdp.json", "--fv-plot", "{tmp}/audit_fdp.png"],
         "| simulated correct | ideal | 500 |",
     ),
+    "audit_fdp_bandmf": (
+        "audit",
+        ["--experiment", "fdp-bandmf", "--bm-out", "{tmp}/audit_fdp_bandmf.json", "--bm-plot", "{tmp}/bandmf.png"],
+        "| bandmf:4:kappa=2 | broken | 50 | 44 / 6 |",
+    ),
     "overhead": ("overhead", ["--out", "{tmp}/overhead.json"], "| lora | "),
     "overhead_llm": ("overhead_llm", ["--out", "{tmp}/overhead_llm.json"], "[qv] step"),
     "isolation_cost": ("isolation_cost", ["--out", "{tmp}/isolation_cost.json"], "lora: "),

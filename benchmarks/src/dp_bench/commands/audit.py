@@ -25,13 +25,16 @@ caught — written to ``docs/results/audit_fdp.json`` (≈ 4 min)::
 
     nice -n 5 dp-bench audit --experiment fdp-validity
 
-``--replot`` (with either experiment): the tables and the plot again from its JSON.
+``--experiment fdp-bandmf``: the same over BandMF runs (correct b = 1 and 4, and κ = 2 claimed as 1; cyclic canaries
+scored on the whitened release: :mod:`.audit_bandmf`), written to ``docs/results/audit_fdp_bandmf.json`` (≈ 30 s).
+
+``--replot`` (with any experiment): the tables and the plot again from its JSON.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,8 +69,9 @@ METHODS: dict[str, list[Any]] = {
 class Config:
     experiment: str = opt(
         "audit",
-        "audit: one seed, every method; fdp-validity: the f-DP bound over many seeds",
-        choices=("audit", "fdp-validity"),
+        "audit: one seed, every method; fdp-validity: the f-DP bound over many seeds; fdp-bandmf: the same on "
+        "BandMF runs (docs/audit.md, BandMF)",
+        choices=("audit", "fdp-validity", "fdp-bandmf"),
     )
     methods: list[str] = opt(
         ["none", "rmt", "lowpass", "ema+rmt", "doppler"],
@@ -103,6 +107,18 @@ class Config:
     fv_simulated: int = opt(500, "fdp-validity: draws of ideal μ-GDP canaries (scores μ·S + N(0, 1)); 0: none")
     fv_out: Path = opt(RESULTS / "audit_fdp.json", "fdp-validity: result JSON")
     fv_plot: Path = opt(RESULTS / "audit_fdp.png", "fdp-validity: result plot (PNG)")
+    bm_arms: list[str] = opt(
+        ["bandmf:1", "bandmf:4", "bandmf:4:kappa=2"],
+        "fdp-bandmf: arms 'bandmf:<b>' (correct) or 'bandmf:<b>:kappa=<K>' (coefficients × K, claimed κ = 1)",
+    )
+    bm_groups: str = opt(
+        "first",
+        "fdp-bandmf: the canaries' groups: first (all in group 0, the steps the accounting charges) or spread "
+        "(canary i in group i mod b)",
+        choices=("first", "spread"),
+    )
+    bm_out: Path = opt(RESULTS / "audit_fdp_bandmf.json", "fdp-bandmf: result JSON")
+    bm_plot: Path = opt(RESULTS / "audit_fdp_bandmf.png", "fdp-bandmf: result plot (PNG)")
     replot: bool = opt(False, "only the tables and the plot from the experiment's JSON")
 
     def validate(self) -> None:
@@ -111,6 +127,10 @@ class Config:
             raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
         for f in [*self.faults, *self.fv_faults, *(m for m in self.bb_methods if m not in METHODS)]:
             parse_fault(f)
+        from .audit_bandmf import parse_arm
+
+        for arm in self.bm_arms:
+            parse_arm(arm)
         if self.fv_seeds < 1:
             raise ValueError(f"--fv-seeds must be >= 1, got {self.fv_seeds}")
 
@@ -173,11 +193,13 @@ def train(
     seed: int,
     white_box: int = 0,
     delta: float = 1e-5,
+    noise_mechanism: Any = None,
+    make_canaries: Callable[..., GradientCanaries] = GradientCanaries,
 ) -> dict[str, Any]:
     """``steps`` DP-SGD steps (Adam, PRV accountant) of ``method`` (a denoiser list of :data:`METHODS` or a fault)
     through dp-bench's one DP loop (:func:`~dp_bench.train.run_dp`, paired noise: ``noise_seed = seed + 1``);
-    returns the wrapped model, the gradient canaries (if ``white_box``), the accountant's ε at ``delta`` and the
-    training time."""
+    returns the wrapped model, the gradient canaries (if ``white_box``; built by ``make_canaries``), the accountant's
+    ε at ``delta`` and the training time. ``noise_mechanism``: ``make_private``'s (default DP-SGD)."""
     fault = None if method in METHODS else parse_fault(method)
     leak = CleanLeak(fault[1]) if fault is not None and fault[0] == "leak" else None
     hooks = list(METHODS[method]) if fault is None else [leak] if leak is not None else []
@@ -187,7 +209,7 @@ def train(
         if leak is not None:
             leak.optimizer = dp_opt
         attached["module"] = module
-        attached["canaries"] = GradientCanaries(dp_opt, white_box, module=module, seed=seed) if white_box else None
+        attached["canaries"] = make_canaries(dp_opt, white_box, module=module, seed=seed) if white_box else None
         if fault is not None and fault[0] == "sigma":
             scale_drawn_noise(dp_opt, 1.0 / fault[1])
 
@@ -209,6 +231,7 @@ def train(
         delta=delta,
         desc=f"audit {method}",
         on_private=attach,
+        noise_mechanism=noise_mechanism,
     )
     return {**attached, "epsilon": res["epsilon"], "seconds": res["train_seconds"]}
 
@@ -391,10 +414,15 @@ def simulated(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def fdp_validity(cfg: Config) -> dict[str, Any]:
+def validity_data(cfg: Config) -> torch.utils.data.TensorDataset:
+    """The validity experiment's synthetic training set: ``fv_train`` Gaussian inputs (64 features), 10 labels."""
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.fv_train, 64, generator=g)
-    data = torch.utils.data.TensorDataset(x, torch.randint(0, 10, (cfg.fv_train,), generator=g))
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 10, (cfg.fv_train,), generator=g))
+
+
+def fdp_validity(cfg: Config) -> dict[str, Any]:
+    data = validity_data(cfg)
     rows = []
     for method in [*cfg.fv_methods, *cfg.fv_faults]:
         for seed in range(cfg.seed, cfg.seed + cfg.fv_seeds):
@@ -415,13 +443,20 @@ def fdp_validity(cfg: Config) -> dict[str, Any]:
     return {"rows": rows, "summary": validity_summary(rows), "simulated": sim}
 
 
-def plot_validity(res: dict[str, Any], path: Path) -> None:
+def plot_validity(
+    res: dict[str, Any],
+    path: Path,
+    *,
+    key: str = "fdp_validity",
+    what: str = "gradient canaries (red: noise drawn with σ/2)",
+) -> None:
+    """Every run's two bounds per method, the claim as a line; ``key``: the experiment's part of ``res``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, summary = res["fdp_validity"]["rows"], res["fdp_validity"]["summary"]
+    rows, summary = res[key]["rows"], res[key]["summary"]
     fig, ax = plt.subplots(figsize=(1.6 * len(summary) + 3, 4.4))
     for i, method in enumerate(summary):
         mine = [r for r in rows if r["method"] == method]
@@ -446,8 +481,7 @@ def plot_validity(res: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(len(summary)), list(summary))
     ax.set_ylabel(f"ε_lower at δ = {res['config']['delta']:g} (95 %)")
     ax.set_title(
-        f"One-run audit over {res['config']['fv_seeds']} seeds, m = {res['config']['fv_canaries']} "
-        "gradient canaries (red: noise drawn with σ/2)",
+        f"One-run audit over {res['config']['fv_seeds']} seeds, m = {res['config']['fv_canaries']} {what}",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="upper left")
@@ -522,9 +556,9 @@ def audit_tables(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def validity_tables(res: dict[str, Any]) -> str:
+def validity_tables(res: dict[str, Any], key: str = "fdp_validity") -> str:
     """Per engine (and the simulated ideal canaries): runs whose ε_lower exceeded the claim, largest and median."""
-    fv = res["fdp_validity"]
+    fv = res[key]
     lines = [
         "| engine | kind | runs | above the claim (f-DP / SNJ) | largest ε_lower (f-DP / SNJ) | median (f-DP / SNJ) |",
         "|---|---|---|---|---|---|",
@@ -547,13 +581,19 @@ VALIDITY_REPORT = runner.Report(tables=validity_tables, plot=plot_validity)
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(Config, argv, prog="dp-bench audit", description=__doc__)
+    from . import audit_bandmf
+
     if cfg.replot:
         if cfg.experiment == "fdp-validity":
             return runner.replot(cfg.fv_out, VALIDITY_REPORT, cfg.fv_plot)
+        if cfg.experiment == "fdp-bandmf":
+            return runner.replot(cfg.bm_out, audit_bandmf.REPORT, cfg.bm_plot)
         return runner.replot(cfg.out, REPORT, cfg.plot)
     header = start("audit", cfg, argv)
     if cfg.experiment == "fdp-validity":
         return validity_main(cfg, header)
+    if cfg.experiment == "fdp-bandmf":
+        return audit_bandmf.main(cfg, header)
     task = fashion_mnist_task(val_size=cfg.val_size)
     have = available_denoisers()
     methods = [m for m in cfg.methods if all((h if isinstance(h, str) else h[0]) in have for h in METHODS[m])]

@@ -1,0 +1,258 @@
+"""``dp-bench audit --experiment fdp-bandmf``: the f-DP one-run audit of BandMF runs (``docs/audit.md``, "BandMF").
+
+Arms: ``bandmf:<b>`` is a correct run of ``noise_mechanism=("bandmf", {"bands": b})``; ``bandmf:<b>:kappa=<K>`` is
+a broken one, its coefficients the optimal ones times K — κ = K while the accounting assumes κ = 1, so the released
+noise is K times too small. Every run is the validity experiment's (:func:`.audit.validity_run`: the same synthetic
+data, model, seeds and m white-box canaries) with b·⌈T/b⌉ steps and σ = √⌈T/b⌉/μ, so that every arm claims the same
+μ-GDP for a canary.
+
+Canaries are cyclic (:class:`CyclicGradientCanaries`): each is in one group g and, when included, takes part in every
+step t ≡ g (mod b) — at most ⌈T/b⌉ times, b steps apart: the participation the BandMF analysis bounds, at the
+within-group rate 1. By default every canary is in group 0, whose steps are the ones the accounting charges (with T a
+multiple of b, all of M's columns at them are whole, so the claim is exact); ``--bm-groups spread`` puts canary i in
+group i mod b. Their claim is the mechanism's own accounting at that rate (:func:`claimed_mu`); their score
+is the log-likelihood ratio of "included" given the whitened release M·y (:func:`whitened_scores`), the data's clipped
+gradient sum subtracted first (the canaries' privacy does not rest on the data or its sampling, so an auditor who
+knows them is still bound by the claim; ``docs/audit.md``); the release-only score is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from opacus_spectral.audit import GradientCanaries, audit_scores, gaussian_dp_epsilon
+from opacus_spectral.mechanisms.bandmf import BandMFMechanism
+from opacus_spectral.mechanisms.bandmf_math import normalized, optimal_coefficients, strategy_matrix
+from opacus_spectral.mechanisms.install import mechanism_of
+from torch import nn
+
+from .. import runner
+from . import audit
+
+__all__ = [
+    "REPORT",
+    "CyclicGradientCanaries",
+    "arm_steps",
+    "bandmf_run",
+    "claimed_mu",
+    "fdp_bandmf",
+    "parse_arm",
+    "whitened_scores",
+]
+
+
+def parse_arm(name: str) -> tuple[int, float]:
+    """``"bandmf:4"`` → ``(4, 1.0)``; ``"bandmf:4:kappa=2"`` → ``(4, 2.0)`` (the coefficients times 2)."""
+    parts = name.split(":")
+    kappa = parts[2].removeprefix("kappa=") if len(parts) == 3 and parts[2].startswith("kappa=") else "1"
+    ok = parts[0] == "bandmf" and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 1
+    if not ok or (len(parts) == 3 and not parts[2].startswith("kappa=")):
+        raise ValueError(f"a BandMF arm is 'bandmf:<bands>' or 'bandmf:<bands>:kappa=<K>', got {name!r}")
+    k = float(kappa)
+    if not (math.isfinite(k) and k > 0):
+        raise ValueError(f"{name!r}: kappa must be a positive number")
+    return int(parts[1]), k
+
+
+def arm_steps(steps: int, bands: int) -> int:
+    """The arm's run length: ``steps`` rounded up to a multiple of b, so that every group takes part ⌈T/b⌉ times."""
+    return bands * math.ceil(steps / bands)
+
+
+class CyclicGradientCanaries(GradientCanaries):
+    """Dirac gradient canaries under cyclic participation: canary i is in group 0 (or ``i mod bands`` when
+    ``spread``) and, when included, is added at the steps t ≡ its group (mod ``bands``) only, counted from the first
+    step after attaching. ``bands = 1``: :class:`~opacus_spectral.audit.GradientCanaries` exactly (same coordinates,
+    coins, injections and sums)."""
+
+    def __init__(
+        self, dp_optimizer: Any, num_canaries: int, *, bands: int, spread: bool = False, module: Any = None, seed=0
+    ):
+        self.bands = int(bands)
+        self.groups = torch.arange(num_canaries) % self.bands if spread else torch.zeros(num_canaries, dtype=torch.long)
+        self._injected = 0
+        self._clean: list[torch.Tensor] = []
+        super().__init__(dp_optimizer, num_canaries, module=module, seed=seed, keep_steps=self.bands > 1)
+
+    def _add_noise(self, opt: Any) -> None:
+        if self.keep_steps:  # the data's clipped sum at each canary's coordinate, before the canaries are added
+            clean = torch.zeros(self.num_canaries, dtype=torch.float64)
+            for j, idx, pos in self._slots:
+                summed = getattr(self._params[j], "summed_grad", None)
+                if summed is not None:
+                    clean[pos] = summed.detach().reshape(-1).index_select(0, idx).to("cpu", torch.float64)
+            self._clean.append(clean / float(opt.max_grad_norm))
+        included = self.included
+        self.included = included & (self.groups == self._injected % self.bands)
+        try:
+            super()._add_noise(opt)
+        finally:
+            self.included = included
+        self._injected += 1
+
+    def step_values(self) -> torch.Tensor:
+        """(T, m): every observed step's released value at each canary's coordinate, in units of its signal."""
+        return torch.stack(self._steps).to(torch.float64)
+
+    def clean_values(self) -> torch.Tensor:
+        """(T, m): the data's clipped gradient sum at each canary's coordinate per step, in the same units."""
+        return torch.stack(self._clean)
+
+
+def whitened_scores(values: torch.Tensor, groups: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
+    """Per canary, σ² × the log-likelihood ratio of "included" given the release y (``values``, T × m) of a BandMF
+    run with strategy M (``coefficients`` normalized to κ = 1): ⟨M x_g, M y⟩ − ½‖M x_g‖², x_g the 0/1 steps of the
+    canary's group g. M·y = M·(signal + data) + σz has white noise: the Neyman–Pearson score, data aside."""
+    steps, m = values.shape
+    bands = len(coefficients)
+    strategy = strategy_matrix(normalized(coefficients), steps)
+    pattern = torch.zeros(bands, steps, dtype=torch.float64)
+    for g in range(bands):
+        pattern[g, g::bands] = 1.0
+    signal = pattern @ strategy.T  # (b, T): M x_g per group
+    per_group = signal @ (strategy @ values.to(torch.float64))  # (b, m)
+    return per_group[groups, torch.arange(m)] - 0.5 * (signal**2).sum(1)[groups]
+
+
+def claimed_mu(mechanism: Any, noise_multipliers: list[float]) -> float:
+    """The μ-GDP claim for a canary in every step of its group: the mechanism's own Accounting at the within-group
+    rate 1 (loader rate 1/b) — DP-SGD with (σ′, 1, ⌈T/b⌉), i.e. μ = √(Σ σ′⁻²) over the steps it charges."""
+    inverse_squares = []
+    for t, sigma in enumerate(noise_multipliers):
+        acc = mechanism.accounting(sigma, 1.0 / mechanism.sample_rate_factor)
+        if acc.sample_rate != 1.0:
+            raise ValueError(f"the canaries' rate within a group must be 1, the accounting says {acc.sample_rate}")
+        if acc.charge(t):
+            inverse_squares.append(acc.noise_multiplier**-2)
+    return math.sqrt(sum(inverse_squares))
+
+
+def _mechanism(bands: int, kappa: float, steps: int) -> Any:
+    """The arm's ``noise_mechanism``: by name when correct, else a BandMF object with κ × the optimal coefficients
+    (the mechanism uses given coefficients as they are)."""
+    if kappa == 1.0:
+        return ("bandmf", {"bands": bands})
+    return BandMFMechanism(bands=bands, coefficients=[kappa * c for c in optimal_coefficients(steps, bands)])
+
+
+def bandmf_run(cfg: Any, data: torch.utils.data.TensorDataset, arm: str, seed: int) -> dict[str, Any]:
+    """One seed of one arm: both bounds on the whitened scores against the canaries' BandMF claim."""
+    bands, kappa = parse_arm(arm)
+    steps = arm_steps(cfg.steps, bands)
+    sigma = math.sqrt(steps / bands) / cfg.mu
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(data.tensors[0].shape[1], 64), nn.Tanh(), nn.Linear(64, 10))
+    run = audit.train(
+        model,
+        data,
+        method="none",
+        noise_multiplier=sigma,
+        batch=cfg.fv_batch,
+        physical=cfg.fv_batch,
+        steps=steps,
+        lr=cfg.lr,
+        seed=seed,
+        white_box=cfg.fv_canaries,
+        delta=cfg.delta,
+        noise_mechanism=_mechanism(bands, kappa, steps),
+        make_canaries=functools.partial(CyclicGradientCanaries, bands=bands, spread=cfg.bm_groups == "spread"),
+    )
+    can: CyclicGradientCanaries = run["canaries"]
+    can.remove()
+    mechanism = mechanism_of(can.optimizer)
+    coefficients = mechanism.coefficients
+    # b = 1: M = I and every canary in every step, so the score is the sum (bit for bit DP-SGD's audit)
+    if bands == 1:
+        scores = release_scores = can.scores("sum")
+    else:
+        scores = whitened_scores(can.step_values() - can.clean_values(), can.groups, coefficients)
+        release_scores = whitened_scores(can.step_values(), can.groups, coefficients)
+    snj = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence)
+    fdp = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
+    release = audit_scores(release_scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
+    mu = claimed_mu(mechanism, can.noise_multipliers)
+    claimed = gaussian_dp_epsilon(mu, cfg.delta)
+    return {
+        "method": arm,
+        "kind": "correct" if kappa == 1.0 else "broken",
+        "seed": seed,
+        "bands": bands,
+        "steps": can.steps,
+        "noise_multiplier": sigma,
+        "kappa": math.sqrt(sum(c * c for c in coefficients)),
+        "epsilon_accountant": claimed,
+        "mu_accountant": mu,
+        "epsilon_data": float(run["epsilon"]),
+        "epsilon_lower_snj": snj.epsilon_lower,
+        "epsilon_lower_fdp": fdp.epsilon_lower,
+        "mu_lower_fdp": fdp.mu_lower,
+        "fdp_guesses": fdp.num_guesses,
+        "fdp_correct": fdp.num_correct,
+        "above_snj": bool(snj.epsilon_lower > claimed),
+        "above_fdp": bool(fdp.epsilon_lower > claimed),
+        "epsilon_lower_fdp_release": release.epsilon_lower,
+        "above_fdp_release": bool(release.epsilon_lower > claimed),
+    }
+
+
+def fdp_bandmf(cfg: Any) -> dict[str, Any]:
+    """Every arm of ``cfg.bm_arms`` over ``cfg.fv_seeds`` seeds, on the validity experiment's data."""
+    data = audit.validity_data(cfg)
+    rows = []
+    for arm in cfg.bm_arms:
+        for seed in range(cfg.seed, cfg.seed + cfg.fv_seeds):
+            rows.append(bandmf_run(cfg, data, arm, seed))
+        s = audit.validity_summary(rows)[arm]
+        print(
+            f"{arm:>16}: ε_lower > {s['epsilon_accountant']:.3f} in {s['above_fdp']}/{s['runs']} runs (f-DP), "
+            f"{s['above_snj']}/{s['runs']} (SNJ); median {s['median_epsilon_lower_fdp']:.3f}, largest "
+            f"{s['max_epsilon_lower_fdp']:.3f} / {s['max_epsilon_lower_snj']:.3f}",
+            flush=True,
+        )
+    return {"rows": rows, "summary": audit.validity_summary(rows)}
+
+
+def arms_table(res: dict[str, Any]) -> str:
+    """Per arm: bands, steps, σ, κ, the canaries' claim, the data's ε (the engine's ``get_epsilon``) and the f-DP
+    bound of the release-only score (the whitened release, the data's gradient left in)."""
+    lines = [
+        "| arm | bands | steps | σ | κ | canaries' claim μ / ε | data's ε (engine) | release-only: above / median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = res["fdp_bandmf"]["rows"]
+    for arm in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == arm]
+        r, lower = mine[0], [x["epsilon_lower_fdp_release"] for x in mine]
+        lines.append(
+            f"| {arm} | {r['bands']} | {r['steps']} | {r['noise_multiplier']:.4f} | {r['kappa']:.3f} | "
+            f"{r['mu_accountant']:.3f} / {r['epsilon_accountant']:.3f} | {r['epsilon_data']:.4f} | "
+            f"{sum(x['above_fdp_release'] for x in mine)} / {float(np.median(lower)):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def tables(res: dict[str, Any]) -> str:
+    return audit.validity_tables(res, key="fdp_bandmf") + "\n" + arms_table(res)
+
+
+def plot(res: dict[str, Any], path: Any) -> None:
+    audit.plot_validity(res, path, key="fdp_bandmf", what="BandMF runs (red: κ = 2 claimed as 1)")
+
+
+#: the runner's report protocol of the experiment
+REPORT = runner.Report(tables=tables, plot=plot)
+
+
+def main(cfg: Any, header: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {**header, "fdp_bandmf": fdp_bandmf(cfg)}
+    res["seconds"] = time.perf_counter() - t0
+    runner.write(res, REPORT, cfg.bm_out, cfg.bm_plot, indent=2)
+    print(f"wrote {cfg.bm_out} and {cfg.bm_plot} ({res['seconds']:.0f} s)")
+    return res
