@@ -224,6 +224,8 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
         "noise-std",
         "isolation-cost",
         "batch-check-cost",
+        "mechanism-cost",
+        "mf-proxy",
         "grid",
         "audit",
         "overhead-llm",

@@ -120,6 +120,12 @@ OTHER = {
     "overhead_llm": ("overhead_llm", ["--out", "{tmp}/overhead_llm.json"], "[qv] step"),
     "isolation_cost": ("isolation_cost", ["--out", "{tmp}/isolation_cost.json"], "lora: "),
     "batch_check_cost": ("batch_check_cost", ["--out", "{tmp}/batch_check_cost.json"], "left padding: check"),
+    "mechanism_cost": (
+        "mechanism_cost",
+        ["--out", "{tmp}/mechanism_cost.json", "--plot", "{tmp}/mechanism_cost.png"],
+        "| lora | 32 |",
+    ),
+    "mf_proxy": ("mf_proxy", ["--out", "{tmp}/mf_proxy.json", "--plot", "{tmp}/mf_proxy.png"], "| 1000 | 1 | 1.000 |"),
     "fmnist_speed": ("grid", ["--measure-speed", "--name", "fmnist", "--out", "{tmp}"], "| mlp | 1024 |"),
 }
 
