@@ -73,6 +73,7 @@ def test_the_declared_std_is_the_released_noise_std_at_every_step_and_restarts_o
             mech.end_step()
             assert float(x.std()) == pytest.approx(declared, rel=0.01)
         assert mech.std_factor() == pytest.approx(declared)  # the last row's norm beyond T
+        assert mech.buffer_bytes() == (3 - 1) * 200_000 * 8  # b − 1 float64 buffers of the one tensor
         mech.reset()
         assert mech.std_factor() == pytest.approx(1 / mech.coefficients[0])
     one = BandMFMechanism(bands=1)

@@ -360,7 +360,6 @@ def summarize(times: dict[str, list[float]], arms: dict[str, Arm], bands: Sequen
     trainable = arms["gaussian"].trainable_bytes
     for b in bands:
         arm, t = arms[f"b{b}"], times[f"b{b}"]
-        stream = mechanism_of(arm.optimizer)._stream  # the BandStream: b − 1 buffers per tensor
         noise = statistics.median(arm.noise_s)
         out["bands"][str(b)] = {
             "step_ratio": statistics.median(t) / g_step,
@@ -368,7 +367,7 @@ def summarize(times: dict[str, list[float]], arms: dict[str, Arm], bands: Sequen
             "noise_share_of_step": noise / statistics.median(t),
             "gaussian_noise_share_of_step": g_noise / g_step,
             "extra_noise_share": (noise - g_noise) / g_step,
-            "stream_bytes": stream.memory_bytes(),
+            "stream_bytes": mechanism_of(arm.optimizer).buffer_bytes(),  # b − 1 buffers per tensor
             "expected_bytes": (b - 1) * trainable,
         }
         out["bands"][str(b)]["meets_target_share"] = out["bands"][str(b)]["noise_share_of_step"] <= TARGET_SHARE

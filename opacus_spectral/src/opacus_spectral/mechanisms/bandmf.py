@@ -88,6 +88,11 @@ class BandMFMechanism(NoiseMechanism):
     def end_step(self) -> None:
         self._t += 1
 
+    def buffer_bytes(self) -> int:
+        """Memory the noise stream holds now: (b − 1) × the trainable tensors' bytes once every tensor has been
+        through b − 1 steps (``docs/mechanisms.md``, "Cost")."""
+        return 0 if self._stream is None else self._stream.memory_bytes()
+
     def reset(self) -> None:
         self._t = 0
         if self._stream is not None:
