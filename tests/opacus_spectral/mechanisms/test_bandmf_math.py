@@ -87,3 +87,15 @@ def test_the_workload_of_momentum_and_learning_rates():
         workload(4, momentum=1.0)
     with pytest.raises(ValueError, match="steps must be"):
         optimal_coefficients(2, 3)
+
+
+def test_two_bands_over_a_long_run_converge_instead_of_overflowing():
+    """At b = 2 the optimum's c_1/c_0 nears 1 as T grows; full L-BFGS steps crossed it, where M⁻¹ overflows (before:
+    NaN coefficients at T = 600, all zeros at T = 1611). Now a finite, normalized optimum that beats its start."""
+    steps = 600
+    c = optimal_coefficients(steps, 2)
+    work = workload(steps)
+    assert math.isfinite(c[0]) and c[0] > 0 and math.isclose(math.hypot(*c), 1.0, rel_tol=1e-12)
+    assert 0.8 < c[1] / c[0] < 1
+    start = workload_error(normalized(sqrt_factorization(2)), work)
+    assert float(workload_error(torch.tensor(c, dtype=torch.float64), work)) < 0.95 * float(start)
