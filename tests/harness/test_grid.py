@@ -356,3 +356,8 @@ def test_bandmf_methods_are_calibrated_for_their_own_accounting_and_paired_with_
     sigma = {r["method"]: r["noise_multiplier"] for r in evals}
     assert sigma["bandmf:2"] > sigma["none"]  # b·q over T/b steps needs more noise per step at equal ε
     assert any(k.endswith("|bandmf:2") and "diff_vs_none" in c for k, c in out["analysis"]["cells"].items())
+    from dp_bench.commands import grid_report
+
+    rows = grid_report.tables(out).splitlines()
+    chosen = [line for line in rows if "| 3 | bandmf:2 |" in line and line.count("|") == 8]
+    assert len(chosen) == 1  # the only b tried is the b chosen on validation, beside its difference to DP-SGD

@@ -265,7 +265,32 @@ def tables(result: dict[str, Any]) -> str:
             o, b, e, m = k.split("|")
             lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {v['peer']} | {_fmt_ci(v['diff'])} | {fmt_p(v['diff'])} |")
     lines += _vs_adamw_table(result, an)
+    lines += _chosen_bands_table(result, an)
     return "\n".join(lines) + "\n"
+
+
+def _chosen_bands_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
+    """Per (optimizer, B, ε): the ``bandmf:<b>`` whose learning-rate runs reached the best validation accuracy (the
+    b chosen on validation, ``docs/results.md`` §12) and its paired difference to DP-SGD (``none``)."""
+    best: dict[tuple[str, int, float], tuple[float, str, dict[str, Any]]] = {}
+    for c in an["cells"].values():
+        tried = result.get("lr_choice", {}).get(f"{c['method']}|{c['optimizer']}|B{c['batch']}", {}).get("val", {})
+        if not c["method"].startswith("bandmf:") or not tried or "diff_vs_none" not in c:
+            continue
+        key = (c["optimizer"], c["batch"], c["epsilon"])
+        if key not in best or max(tried.values()) > best[key][0]:
+            best[key] = (max(tried.values()), c["method"], c)
+    if not best:
+        return []
+    lines = [
+        "",
+        "| opt | B | ε | b chosen on validation | best validation acc | − none (DP-SGD), points [95 % CI] | p (raw) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (o, b, e), (val, method, c) in sorted(best.items()):
+        ci = c["diff_vs_none"]
+        lines.append(f"| {o} | {b} | {e:g} | {method} | {100 * val:.2f} | {_fmt_ci(ci)} | {fmt_p(ci, 'p')} |")
+    return lines
 
 
 def _vs_adamw_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
