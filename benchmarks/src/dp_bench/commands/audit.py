@@ -364,6 +364,13 @@ def validity_run(cfg: Config, data: torch.utils.data.Dataset, method: str, seed:
         "seed": seed,
         "epsilon_accountant": claimed,
         "mu_accountant": can.claimed_mu(),
+        **bound_fields(snj, fdp, claimed),
+    }
+
+
+def bound_fields(snj: Any, fdp: Any, claimed: float) -> dict[str, Any]:
+    """A validity run's record of its two lower bounds (SNJ, f-DP) and whether each exceeds the claimed ε."""
+    return {
         "epsilon_lower_snj": snj.epsilon_lower,
         "epsilon_lower_fdp": fdp.epsilon_lower,
         "mu_lower_fdp": fdp.mu_lower,
