@@ -43,6 +43,21 @@ def test_the_released_noise_has_covariance_m_inverse_m_inverse_transposed(bands)
     assert float((inv @ inv.T - torch.eye(steps, dtype=torch.float64)).abs().max()) > 0.1  # really correlated
 
 
+@pytest.mark.parametrize("bands", [2, 4, 8])
+def test_the_stream_is_m_inverse_times_z_over_many_wraps_of_its_buffers(bands):
+    """40 steps (the ring of b − 1 buffers wraps many times): x = M⁻¹z to float64 rounding, per coordinate."""
+    steps = 40
+    c = optimal_coefficients(steps, bands)
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(steps, 3, 5, generator=g, dtype=torch.float64)
+    stream = BandStream(c)
+    x = torch.stack([stream.advance("w", z[t]) for t in range(steps)])
+    assert x.shape == z.shape
+    torch.testing.assert_close(
+        x.reshape(steps, -1), inverse_matrix(c, steps) @ z.reshape(steps, -1), atol=1e-12, rtol=0
+    )
+
+
 @pytest.mark.parametrize(("steps", "bands"), [(9, 3), (12, 4), (10, 2)])
 def test_minsep_sensitivity_is_the_column_sum_at_every_bth_step(steps, bands):
     """Brute force over every pattern whose participations are ≥ b apart: the worst is participation at 0, b, 2b, …

@@ -9,7 +9,6 @@ gradients): they are never saved, and a resumed run starts a fresh stream (M sta
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -17,16 +16,31 @@ import torch
 __all__ = ["BandStream"]
 
 
+class _Ring:
+    """One tensor's b − 1 previous outputs, flattened into the rows of one ``(b − 1, n)`` buffer (zeros before the
+    stream has that many: x_{t−j} = 0 for t − j < 0), and the weights that line its rows up with c_1 … c_{b−1}."""
+
+    def __init__(self, coefficients: Sequence[float], z: torch.Tensor) -> None:
+        k = len(coefficients) - 1
+        self.rows = torch.zeros(k, z.numel(), dtype=z.dtype, device=z.device)
+        c = torch.tensor(coefficients[1:], dtype=z.dtype, device=z.device)
+        # weights[s, r] = c_j with j − 1 = (s − r) mod k: when x_{t−1} sits in row s, row r holds x_{t−j}
+        rows = torch.arange(k, device=z.device)
+        self.weights = c[(rows[:, None] - rows[None, :]) % k]
+        self.newest = k - 1  # the row of x_{t−1}; the first output goes to row 0
+
+
 class BandStream:
     """Correlates each tensor's noise across steps with coefficients ``c`` (κ = 1). ``advance(key, z)`` returns x_t for
-    that tensor; call it once per step for every tensor, frozen ones included (their x_t is discarded by the caller)."""
+    that tensor; call it once per step for every tensor, frozen ones included (their x_t is discarded by the caller).
+    One step of one tensor is one matrix-vector product over its b − 1 buffers (no per-band kernel launches)."""
 
     def __init__(self, coefficients: Sequence[float]) -> None:
         c = [float(x) for x in coefficients]
         if not c or c[0] <= 0:
             raise ValueError(f"BandStream needs c_0 > 0, got {c}")
         self.coefficients = tuple(c)
-        self._history: dict[Hashable, deque[torch.Tensor]] = {}
+        self._history: dict[Hashable, _Ring] = {}
 
     @property
     def bands(self) -> int:
@@ -36,17 +50,19 @@ class BandStream:
         """x_t for tensor ``key`` from this step's i.i.d. draw ``z`` (float math in z's dtype)."""
         if self.bands == 1:
             return z
-        past = self._history.setdefault(key, deque(maxlen=self.bands - 1))
-        x = z.clone()
-        for j, previous in enumerate(past, start=1):  # past[0] is x_{t−1}
-            x.sub_(previous, alpha=self.coefficients[j])
+        ring = self._history.get(key)
+        if ring is None:
+            ring = self._history[key] = _Ring(self.coefficients, z)
+        # x_t = (z_t − Σ_j c_j x_{t−j}) / c_0, the sum as one product with the rows' weights
+        x = torch.addmv(z.reshape(-1), ring.rows.t(), ring.weights[ring.newest], alpha=-1.0)
         x.div_(self.coefficients[0])
-        past.appendleft(x)
-        return x
+        ring.newest = (ring.newest + 1) % (self.bands - 1)
+        ring.rows[ring.newest].copy_(x)
+        return x.view_as(z)
 
     def reset(self) -> None:
         """Forget every buffer (a resumed run's fresh stream)."""
         self._history.clear()
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for past in self._history.values() for t in past)
+        return sum(r.rows.numel() * r.rows.element_size() for r in self._history.values())
