@@ -5,7 +5,6 @@ the claim and κ = 2 claimed as 1 is caught; the command's smoke run and its rep
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,6 @@ import torch
 
 audit_cmd = pytest.importorskip("dp_bench.commands.audit")
 from dp_bench.commands import audit_bandmf as bandmf_cmd  # noqa: E402
-from opacus_spectral.mechanisms.bandmf import BandMFMechanism  # noqa: E402
-from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients, strategy_matrix  # noqa: E402
 
 CFG = audit_cmd.Config(fv_canaries=2000, fv_train=1024)
 
@@ -42,31 +39,7 @@ def test_one_band_is_the_dp_sgd_audit_bit_for_bit(data) -> None:
     assert banded["epsilon_lower_fdp"] > 0  # a bound that could differ
 
 
-def test_whitened_score_is_the_log_likelihood_ratio() -> None:
-    """⟨M x_g, M y⟩ − ½‖M x_g‖²: ½‖M x_g‖² at a noise-free included canary, −½‖M x_g‖² at an excluded one,
-    (M x_g)_t for the correlated noise M⁻¹e_t (whitened back to one white entry)."""
-    steps, c = 8, optimal_coefficients(8, 4)
-    strategy = strategy_matrix(c, steps)
-    groups = torch.tensor([0, 1, 2, 3, 1])
-    values = torch.zeros(steps, 5, dtype=torch.float64)
-    values[0::4, 0] = 1.0  # canary 0 (group 0) included, no noise
-    values[:, 2] = torch.linalg.solve_triangular(strategy, torch.eye(steps, dtype=torch.float64), upper=False)[:, 5]
-    scores = bandmf_cmd.whitened_scores(values, groups, [2 * x for x in c])  # the claimed M: normalized
-    pattern = torch.zeros(steps, 4, dtype=torch.float64)
-    for g in range(4):
-        pattern[g::4, g] = 1.0
-    norms2 = (strategy @ pattern).square().sum(0)
-    assert scores[0].item() == pytest.approx(0.5 * norms2[0].item(), rel=1e-12)
-    assert norms2[0].item() == pytest.approx(2.0, rel=1e-12)  # two full columns of norm 1
-    assert scores[1].item() == pytest.approx(-0.5 * norms2[1].item(), rel=1e-12) and norms2[1] < 2
-    assert scores[2].item() == pytest.approx((strategy @ pattern[:, 2])[5].item() - 0.5 * norms2[2].item(), abs=1e-12)
-
-
-def test_claim_is_the_mechanisms_accounting_at_rate_one() -> None:
-    """μ = √(Σ σ′⁻²) over the steps the BandMF accounting charges: ⌈T/b⌉ of them (7 of 25 at b = 4), not T."""
-    mechanism = BandMFMechanism(bands=4)
-    assert bandmf_cmd.claimed_mu(mechanism, [2.0] * 25) == pytest.approx(math.sqrt(7) / 2, rel=1e-12)
-    assert bandmf_cmd.claimed_mu(BandMFMechanism(bands=1), [2.0] * 25) == pytest.approx(2.5, rel=1e-12)
+def test_arms_and_their_lengths() -> None:
     assert bandmf_cmd.arm_steps(25, 4) == 28 and bandmf_cmd.arm_steps(25, 1) == 25
     assert bandmf_cmd.parse_arm("bandmf:4:kappa=2") == (4, 2.0)
     with pytest.raises(ValueError, match="bandmf:<bands>"):

@@ -6,14 +6,16 @@ noise is K times too small. Every run is the validity experiment's (:func:`.audi
 data, model, seeds and m white-box canaries) with b·⌈T/b⌉ steps and σ = √⌈T/b⌉/μ, so that every arm claims the same
 μ-GDP for a canary.
 
-Canaries are cyclic (:class:`CyclicGradientCanaries`): each is in one group g and, when included, takes part in every
-step t ≡ g (mod b) — at most ⌈T/b⌉ times, b steps apart: the participation the BandMF analysis bounds, at the
-within-group rate 1. By default every canary is in group 0, whose steps are the ones the accounting charges (with T a
-multiple of b, all of M's columns at them are whole, so the claim is exact); ``--bm-groups spread`` puts canary i in
-group i mod b. Their claim is the mechanism's own accounting at that rate (:func:`claimed_mu`); their score
-is the log-likelihood ratio of "included" given the whitened release M·y (:func:`whitened_scores`), the data's clipped
-gradient sum subtracted first (the canaries' privacy does not rest on the data or its sampling, so an auditor who
-knows them is still bound by the claim; ``docs/audit.md``); the release-only score is recorded beside it.
+Canaries are cyclic (the library's :class:`~opacus_spectral.audit.GradientCanaries` on a BandMF run, here
+:class:`CyclicGradientCanaries`): each is in one group g and, when included, takes part in every step t ≡ g (mod b) —
+at most ⌈T/b⌉ times, b steps apart: the participation the BandMF analysis bounds, at the within-group rate 1. By
+default every canary is in group 0, whose steps are the ones the accounting charges (with T a multiple of b, all of
+M's columns at them are whole, so the claim is exact); ``--bm-groups spread`` puts canary i in group i mod b. Their
+claim is the mechanism's own accounting at that rate (:func:`opacus_spectral.audit.cyclic.cyclic_claimed_mu`); their
+score is the log-likelihood ratio of "included" given the whitened release M·y
+(:func:`opacus_spectral.audit.cyclic.whitened_scores`), the data's clipped gradient sum subtracted first (the
+canaries' privacy does not rest on the data or its sampling, so an auditor who knows them is still bound by the
+claim; ``docs/audit.md``); the release-only score (the library's default) is recorded beside it.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from opacus_spectral.audit import GradientCanaries, audit_scores, gaussian_dp_epsilon
+from opacus_spectral.audit.cyclic import whitened_scores
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
-from opacus_spectral.mechanisms.bandmf_math import normalized, optimal_coefficients, strategy_matrix
-from opacus_spectral.mechanisms.install import mechanism_of
+from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients
 from torch import nn
 
 from .. import runner
@@ -40,10 +41,8 @@ __all__ = [
     "CyclicGradientCanaries",
     "arm_steps",
     "bandmf_run",
-    "claimed_mu",
     "fdp_bandmf",
     "parse_arm",
-    "whitened_scores",
 ]
 
 
@@ -66,71 +65,29 @@ def arm_steps(steps: int, bands: int) -> int:
 
 
 class CyclicGradientCanaries(GradientCanaries):
-    """Dirac gradient canaries under cyclic participation: canary i is in group 0 (or ``i mod bands`` when
-    ``spread``) and, when included, is added at the steps t ≡ its group (mod ``bands``) only, counted from the first
-    step after attaching. ``bands = 1``: :class:`~opacus_spectral.audit.GradientCanaries` exactly (same coordinates,
-    coins, injections and sums)."""
+    """The library's canaries (cyclic on a BandMF run: :mod:`opacus_spectral.audit.cyclic`) that also keep the
+    data's clipped gradient sum at each canary's coordinate per step (read before the canaries are added), for the
+    data-subtracted score. ``bands = 1``: :class:`~opacus_spectral.audit.GradientCanaries` exactly (same
+    coordinates, coins, injections and sums)."""
 
-    def __init__(
-        self, dp_optimizer: Any, num_canaries: int, *, bands: int, spread: bool = False, module: Any = None, seed=0
-    ):
-        self.bands = int(bands)
-        self.groups = torch.arange(num_canaries) % self.bands if spread else torch.zeros(num_canaries, dtype=torch.long)
-        self._injected = 0
+    def __init__(self, dp_optimizer: Any, num_canaries: int, *, spread: bool = False, module: Any = None, seed=0):
         self._clean: list[torch.Tensor] = []
-        super().__init__(dp_optimizer, num_canaries, module=module, seed=seed, keep_steps=self.bands > 1)
+        groups = "spread" if spread else "first"
+        super().__init__(dp_optimizer, num_canaries, module=module, seed=seed, groups=groups)
 
     def _add_noise(self, opt: Any) -> None:
-        if self.keep_steps:  # the data's clipped sum at each canary's coordinate, before the canaries are added
+        if self.bands > 1:  # the data's clipped sum at each canary's coordinate, before the canaries are added
             clean = torch.zeros(self.num_canaries, dtype=torch.float64)
             for j, idx, pos in self._slots:
                 summed = getattr(self._params[j], "summed_grad", None)
                 if summed is not None:
                     clean[pos] = summed.detach().reshape(-1).index_select(0, idx).to("cpu", torch.float64)
             self._clean.append(clean / float(opt.max_grad_norm))
-        included = self.included
-        self.included = included & (self.groups == self._injected % self.bands)
-        try:
-            super()._add_noise(opt)
-        finally:
-            self.included = included
-        self._injected += 1
-
-    def step_values(self) -> torch.Tensor:
-        """(T, m): every observed step's released value at each canary's coordinate, in units of its signal."""
-        return torch.stack(self._steps).to(torch.float64)
+        super()._add_noise(opt)
 
     def clean_values(self) -> torch.Tensor:
         """(T, m): the data's clipped gradient sum at each canary's coordinate per step, in the same units."""
         return torch.stack(self._clean)
-
-
-def whitened_scores(values: torch.Tensor, groups: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
-    """Per canary, σ² × the log-likelihood ratio of "included" given the release y (``values``, T × m) of a BandMF
-    run with strategy M (``coefficients`` normalized to κ = 1): ⟨M x_g, M y⟩ − ½‖M x_g‖², x_g the 0/1 steps of the
-    canary's group g. M·y = M·(signal + data) + σz has white noise: the Neyman–Pearson score, data aside."""
-    steps, m = values.shape
-    bands = len(coefficients)
-    strategy = strategy_matrix(normalized(coefficients), steps)
-    pattern = torch.zeros(bands, steps, dtype=torch.float64)
-    for g in range(bands):
-        pattern[g, g::bands] = 1.0
-    signal = pattern @ strategy.T  # (b, T): M x_g per group
-    per_group = signal @ (strategy @ values.to(torch.float64))  # (b, m)
-    return per_group[groups, torch.arange(m)] - 0.5 * (signal**2).sum(1)[groups]
-
-
-def claimed_mu(mechanism: Any, noise_multipliers: list[float]) -> float:
-    """The μ-GDP claim for a canary in every step of its group: the mechanism's own Accounting at the within-group
-    rate 1 (loader rate 1/b) — DP-SGD with (σ′, 1, ⌈T/b⌉), i.e. μ = √(Σ σ′⁻²) over the steps it charges."""
-    inverse_squares = []
-    for t, sigma in enumerate(noise_multipliers):
-        acc = mechanism.accounting(sigma, 1.0 / mechanism.sample_rate_factor)
-        if acc.sample_rate != 1.0:
-            raise ValueError(f"the canaries' rate within a group must be 1, the accounting says {acc.sample_rate}")
-        if acc.charge(t):
-            inverse_squares.append(acc.noise_multiplier**-2)
-    return math.sqrt(sum(inverse_squares))
 
 
 def _mechanism(bands: int, kappa: float, steps: int) -> Any:
@@ -161,22 +118,21 @@ def bandmf_run(cfg: Any, data: torch.utils.data.TensorDataset, arm: str, seed: i
         white_box=cfg.fv_canaries,
         delta=cfg.delta,
         noise_mechanism=_mechanism(bands, kappa, steps),
-        make_canaries=functools.partial(CyclicGradientCanaries, bands=bands, spread=cfg.bm_groups == "spread"),
+        make_canaries=functools.partial(CyclicGradientCanaries, spread=cfg.bm_groups == "spread"),
     )
     can: CyclicGradientCanaries = run["canaries"]
     can.remove()
-    mechanism = mechanism_of(can.optimizer)
-    coefficients = mechanism.coefficients
+    coefficients = can.mechanism.coefficients
     # b = 1: M = I and every canary in every step, so the score is the sum (bit for bit DP-SGD's audit)
     if bands == 1:
         scores = release_scores = can.scores("sum")
     else:
         scores = whitened_scores(can.step_values() - can.clean_values(), can.groups, coefficients)
-        release_scores = whitened_scores(can.step_values(), can.groups, coefficients)
+        release_scores = can.scores("whitened")
     snj = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence)
     fdp = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
     release = audit_scores(release_scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
-    mu = claimed_mu(mechanism, can.noise_multipliers)
+    mu = can.claimed_mu()
     claimed = gaussian_dp_epsilon(mu, cfg.delta)
     return {
         "method": arm,

@@ -7,7 +7,7 @@
   bound of Mahloujifar, Melis & Chaudhuri (ICML 2025, arXiv 2410.22235) against μ-GDP: tighter for Gaussian noise;
 * :func:`audit_scores`, :class:`AuditResult` — from per-canary scores to a bound (the auditor's guesses);
 * :class:`GradientCanaries` — white-box Dirac gradient canaries in an Opacus optimizer, scored on the released
-  (noisy, denoised) gradients;
+  (noisy, denoised) gradients; cyclic on a BandMF run (:mod:`.cyclic`);
 * :class:`InputCanaries` — black-box mislabeled examples, scored by their loss on the final model;
 * :func:`canary_epsilon`, :func:`gaussian_dp_epsilon` — the ε a correct engine claims for one canary.
 """

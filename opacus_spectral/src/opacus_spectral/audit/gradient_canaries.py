@@ -19,9 +19,15 @@ Attach after ``make_private``; they subscribe to the optimizer's :mod:`~opacus_s
     ...train...
     canaries.audit(delta=1e-5).epsilon_lower  <  canaries.claimed_epsilon(1e-5)
 
+On a BandMF run (``noise_mechanism=("bandmf", {"bands": b})``, b > 1) the canaries are cyclic (:mod:`.cyclic`):
+canary i is in group 0 (``groups="first"``) or i mod b (``"spread"``) and, when included, takes part at the steps
+t ≡ its group (mod b) counted from attaching; the claim is the mechanism's own accounting and the default score
+whitens the correlated noise. (Canaries in every step would not be covered by BandMF's claim.)
+
 Supported: ``DPOptimizer`` with flat clipping (hooks, functorch, ghost), any ``loss_reduction``, accumulation
-(BatchMemoryManager). Refused: per-layer or adaptive clipping (the canary's norm would not be the bound the
-accountant assumes) and distributed optimizers (each rank would inject its own copy).
+(BatchMemoryManager), the ``gaussian`` and ``bandmf`` noise mechanisms. Refused: per-layer or adaptive clipping (the
+canary's norm would not be the bound the accountant assumes) and distributed optimizers (each rank would inject its
+own copy).
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
+from ..mechanisms.install import mechanism_of
 from ..step.attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
 from ..step.installation import HANDLE_ATTR
 from ..step.noise_std import clean_scale, world_size
 from ..step.parameters import describe_parameters
 from ..step.selection import ParamFilter, resolve_param_filter
-from .claims import canary_epsilon
+from .claims import canary_epsilon, gaussian_dp_epsilon
+from .cyclic import cyclic_claimed_mu, whitened_scores
 from .guesses import AuditResult, audit_scores
 
 __all__ = ["GradientCanaries"]
@@ -55,8 +63,9 @@ class GradientCanaries:
         params: optional name filter for the parameters that hold canaries (needs ``module``).
         sample_rate: probability that an included canary takes part in a step (1.0: every step).
         seed: seeds the coordinates, the coins and the per-step sampling (independent of Opacus' noise).
-        keep_steps: also keep every step's released value per canary (needed by ``score="likelihood_ratio"``;
-            default: when ``sample_rate < 1``). Memory: m floats per step.
+        keep_steps: also keep every step's released value per canary (needed by ``score="likelihood_ratio"``
+            and ``"whitened"``; default: when ``sample_rate < 1`` or on BandMF). Memory: m floats per step.
+        groups: on BandMF, ``"first"`` (every canary in group 0) or ``"spread"`` (canary i in group i mod b).
     """
 
     def __init__(
@@ -69,15 +78,19 @@ class GradientCanaries:
         sample_rate: float = 1.0,
         seed: int = 0,
         keep_steps: bool | None = None,
+        groups: str = "first",
     ) -> None:
         _check_optimizer(dp_optimizer)
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        self.mechanism, self.bands = _cyclic_setup(dp_optimizer, sample_rate, groups)
         if params is not None and module is None:
             raise ValueError("params= selects parameters by name: pass module= too")
         self.optimizer = dp_optimizer
         self.sample_rate = float(sample_rate)
-        self.keep_steps = self.sample_rate < 1.0 if keep_steps is None else bool(keep_steps)
+        self.keep_steps = (self.sample_rate < 1.0 or self.bands > 1) if keep_steps is None else bool(keep_steps)
+        if self.bands > 1 and not self.keep_steps:
+            raise ValueError("canaries on a BandMF run need their per-step values (keep_steps=True)")
         select = resolve_param_filter(params)
         infos = describe_parameters(dp_optimizer.params, module, None)
         self._params = [p for p in dp_optimizer.params if select(infos[id(p)].name)]
@@ -93,6 +106,11 @@ class GradientCanaries:
         coords = rng.choice(total, size=self.num_canaries, replace=False)
         #: the secret coins: canary i is in the training run iff ``included[i]``
         self.included = torch.from_numpy(rng.random(self.num_canaries) < 0.5)
+        #: each canary's group: it takes part at the steps t ≡ group (mod bands) only (all 0 when bands = 1)
+        self.groups = torch.zeros(self.num_canaries, dtype=torch.long)
+        if groups == "spread":
+            self.groups = torch.arange(self.num_canaries) % self.bands
+        self._injected = 0
         starts = np.concatenate([[0], np.cumsum(sizes)])
         owner = np.searchsorted(starts, coords, side="right") - 1
         #: per parameter: (its index among the selected, flat coordinates, positions among the canaries)
@@ -120,6 +138,9 @@ class GradientCanaries:
     def _add_noise(self, opt: DPOptimizer) -> None:
         """Before Opacus' noise: add ``C·e_c`` of every included canary sampled this step to ``p.summed_grad``."""
         present = self.included.clone()
+        if self.bands > 1:
+            present &= self.groups == self._injected % self.bands
+        self._injected += 1
         if self.sample_rate < 1.0:
             present &= torch.rand(self.num_canaries, generator=self._gen) < self.sample_rate
         weight = present.to(torch.float64) * float(opt.max_grad_norm)
@@ -171,18 +192,35 @@ class GradientCanaries:
         """Logical steps whose released gradient was read."""
         return len(self.noise_multipliers)
 
-    def scores(self, score: str = "sum") -> torch.Tensor:
-        """Per-canary scores, higher = more likely included (``docs/math.md`` §5.5).
+    def step_values(self) -> torch.Tensor:
+        """(T, m): every observed step's released value at each canary's coordinate, in units of its signal (needs
+        ``keep_steps``)."""
+        if not self.keep_steps:
+            raise ValueError("the per-step values need GradientCanaries(..., keep_steps=True)")
+        if not self._steps:
+            return torch.zeros(0, self.num_canaries, dtype=torch.float64)
+        return torch.stack(self._steps).to(torch.float64)
+
+    def scores(self, score: str | None = None) -> torch.Tensor:
+        """Per-canary scores, higher = more likely included (``docs/math.md`` §5.5). Default: ``"whitened"`` on
+        BandMF, ``"sum"`` otherwise.
 
         ``"sum"``: Σ_t z_t, z_t the released value at the canary's coordinate in units of its signal.
+        ``"whitened"``: on BandMF, ⟨M x_g, M z⟩ − ½‖M x_g‖² (:func:`~.cyclic.whitened_scores`), the log-likelihood
+        ratio under the claimed M (κ = 1) with the data's gradient taken as noise.
         ``"likelihood_ratio"``: Σ_t log(1 − p + p·exp((z_t − ½)/σ_t²)) with p = ``sample_rate`` and σ_t the
         reported noise multiplier — the log-likelihood ratio of "included" for the undenoised mechanism
         (needs ``keep_steps``). Either is a valid score for the bound; they differ in power.
         """
+        score = score or ("whitened" if self.bands > 1 else "sum")
         if score == "sum":
             return self._sums.clone()
+        if score == "whitened":
+            if self.bands == 1:
+                raise ValueError("score='whitened' is for BandMF runs (b > 1); DP-SGD's noise is white: use 'sum'")
+            return whitened_scores(self.step_values(), self.groups, self.mechanism.coefficients)
         if score != "likelihood_ratio":
-            raise ValueError(f"score must be 'sum' or 'likelihood_ratio', got {score!r}")
+            raise ValueError(f"score must be 'sum', 'whitened' or 'likelihood_ratio', got {score!r}")
         if not self.keep_steps:
             raise ValueError(
                 "score='likelihood_ratio' needs the per-step values: GradientCanaries(..., keep_steps=True)"
@@ -204,7 +242,7 @@ class GradientCanaries:
         delta: float = 0.0,
         confidence: float = 0.95,
         guesses: list[tuple[int, int]] | None = None,
-        score: str = "sum",
+        score: str | None = None,
         bound: str = "snj",
     ) -> AuditResult:
         """The one-run lower bound on ε from this run (:func:`~opacus_spectral.audit.audit_scores`).
@@ -225,12 +263,15 @@ class GradientCanaries:
 
     def claimed_mu(self) -> float:
         """μ of the μ-GDP claim for one canary present in every observed step: ``sqrt(Σ_t σ_t⁻²)`` with the σ_t
-        the optimizer reported (``docs/math.md`` §5.4); ``inf`` after a step without noise."""
+        the optimizer reported (``docs/math.md`` §5.4); ``inf`` after a step without noise. On BandMF: in every step
+        of its group, the mechanism's accounting at rate 1 (:func:`~.cyclic.cyclic_claimed_mu`)."""
         if self.sample_rate < 1.0:
             raise ValueError(
                 f"canaries subsampled at rate {self.sample_rate:g} are not μ-GDP for any simple μ: their claim is "
                 "claimed_epsilon(delta) (Opacus' accountant)"
             )
+        if self.bands > 1:
+            return cyclic_claimed_mu(self.mechanism, self.noise_multipliers)
         if any(s <= 0 for s in self.noise_multipliers):
             return math.inf
         return math.sqrt(sum(s**-2 for s in self.noise_multipliers))
@@ -238,7 +279,27 @@ class GradientCanaries:
     def claimed_epsilon(self, delta: float, *, accountant: str = "prv") -> float:
         """The ε a correct engine claims for one canary over the observed steps (``docs/math.md`` §5.4):
         exact μ-GDP for ``sample_rate = 1``, Opacus' ``accountant`` at the canary's rate otherwise."""
+        if self.bands > 1:
+            return gaussian_dp_epsilon(self.claimed_mu(), delta)
         return canary_epsilon(self.noise_multipliers, self.sample_rate, delta, accountant=accountant)
+
+
+def _cyclic_setup(opt: DPOptimizer, sample_rate: float, groups: str) -> tuple[Any, int]:
+    """The run's noise mechanism and b (1 unless BandMF); refuses what the canaries' claim would not cover."""
+    if groups not in ("first", "spread"):
+        raise ValueError(f"groups must be 'first' or 'spread', got {groups!r}")
+    mechanism = mechanism_of(opt)
+    bands = 1 if mechanism is None else int(mechanism.sample_rate_factor)
+    if mechanism is not None and mechanism.correlated and getattr(mechanism, "coefficients", None) is None:
+        raise NotImplementedError(
+            f"gradient canaries know the correlated noise of BandMF only, not of {type(mechanism).__name__}"
+        )
+    if bands > 1 and sample_rate < 1.0:
+        raise ValueError(
+            "on a BandMF run the canaries take part in every step of their group (sample_rate=1): a subsampled "
+            "canary's claim is not μ-GDP and its sensitivity under correlated noise is not what the claim assumes"
+        )
+    return mechanism, bands
 
 
 def _check_optimizer(opt: Any) -> None:
