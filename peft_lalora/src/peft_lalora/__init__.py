@@ -16,6 +16,8 @@ import sys
 from importlib import import_module
 from typing import Any
 
+from ._lazy import lazy_getattr
+
 __version__ = "0.2.0"
 
 _LAZY = {
@@ -38,22 +40,26 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 class _RegisterAfterPeft(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``peft`` with the other finders, executes it, then registers ``LALORA`` (one use: removes itself)."""
+    """Finds ``peft`` with the other finders, executes it, then registers ``LALORA`` (removes itself when it runs).
+
+    A probe (``importlib.util.find_spec("peft")``, as transformers' availability checks do) gets a spec and leaves
+    the finder in place: only executing ``peft`` consumes it."""
+
+    def __init__(self) -> None:
+        self._finding = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "peft":
+        if name != "peft" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("peft")
+        self._finding = True  # the other finders answer the inner lookup
+        try:
+            spec = importlib.util.find_spec("peft")
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
         self._loader, spec.loader = spec.loader, self
@@ -64,6 +70,8 @@ class _RegisterAfterPeft(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         module.__spec__.loader = self._loader
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         self._loader.exec_module(module)
         import_module(".tuners.lalora.registration", __name__).register()
 

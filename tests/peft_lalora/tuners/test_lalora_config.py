@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from peft import LoraConfig, mapping
 from peft_lalora.tuners.lalora.registration import register
@@ -69,3 +72,36 @@ def test_registration_refuses_to_overwrite_foreign_entry() -> None:
         del table["LALORA"]
         register()
     assert peft_lalora.is_registered()
+
+
+_ORDERS = {
+    # our names before PEFT: the registration that importing PEFT triggers must not meet a half-imported module
+    "config-first": "from peft_lalora import LALoraConfig",
+    "model-module-first": "from peft_lalora.tuners.lalora.model import LALoraModel",
+    # transformers probes PEFT with importlib.util.find_spec before anything imports it: a probe is not an import
+    "controller-first": "from peft_lalora import AlternationController\nimport peft",
+    "probe-then-import": "import peft_lalora\nimport importlib.util\nimportlib.util.find_spec('peft')\nimport peft",
+}
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        "config-first",
+        "probe-then-import",
+        pytest.param("model-module-first", marks=pytest.mark.slow),
+        pytest.param("controller-first", marks=pytest.mark.slow),
+    ],
+)
+def test_lalora_is_registered_whatever_is_imported_first(order) -> None:
+    """A fresh interpreter: PEFT knows "LALORA" (config class and tuner) after each import order a user may write."""
+    code = (
+        f"{_ORDERS[order]}\n"
+        "from peft import mapping\n"
+        "import peft_lalora\n"
+        "assert peft_lalora.is_registered()\n"
+        "assert mapping.PEFT_TYPE_TO_CONFIG_MAPPING['LALORA'] is peft_lalora.LALoraConfig\n"
+        "assert mapping.PEFT_TYPE_TO_TUNER_MAPPING['LALORA'] is peft_lalora.LALoraModel\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -14,8 +14,7 @@ app needs ``flwr`` (extra ``[flower]``); the DP client needs ``opacus-spectral``
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "AggregationError": "server.aggregate",
@@ -58,9 +57,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

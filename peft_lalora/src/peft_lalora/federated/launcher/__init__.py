@@ -4,8 +4,7 @@ package imports neither ``flwr`` nor ``cryptography``."""
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..._lazy import lazy_getattr
 
 _LAZY = {
     "INSECURE_WARNING": "launcher",
@@ -20,9 +19,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
