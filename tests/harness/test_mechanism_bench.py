@@ -152,3 +152,12 @@ def test_mf_proxy_matches_its_definition(tmp_path: Path, capsys: pytest.CaptureF
     capsys.readouterr()
     cli.run(["mf-proxy", "--replot", "--out", str(out), "--plot", str(png)])
     assert "| 12 | 2 | 1.000 |" in capsys.readouterr().out
+    # the final parameters' noise under momentum 0.9, the coefficients unchanged (still the prefix-sum ones)
+    res = cli.run(["mf-proxy", *flags, "--momentum", "0.9", "--rows", "last", "--out", str(out), "--plot", str(png)])
+    cell, fact2 = res["cells"]["12"]["epsilons"]["2"], res["cells"]["12"]["factorizations"]
+    assert fact2["2"]["coefficients"] == fact["2"]["coefficients"]
+    last = np.array([sum(0.9**k for k in range(12 - s)) for s in range(12)])  # Σ_{u=s}^{11} β^{u−s}
+    assert res["cells"]["12"]["dpsgd_frobenius"] == pytest.approx(np.linalg.norm(last), rel=1e-12)
+    m = sum(np.diag(np.full(12 - j, c), -j) for j, c in enumerate(fact["2"]["coefficients"]))
+    want = sigma_2 * np.linalg.norm(last @ np.linalg.inv(m)) / (sigma_1 * np.linalg.norm(last))
+    assert cell["bands"]["2"]["ratio"] == pytest.approx(want, rel=1e-9) and cell["bands"]["1"]["ratio"] == 1.0

@@ -79,8 +79,9 @@ def workload(steps: int, momentum: float = 0.0, learning_rates: Sequence[float] 
 
 
 def workload_error(coefficients: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
-    """‖A M⁻¹‖²_F · κ² — the total squared noise of the workload at noise multiplier 1 (differentiable)."""
-    steps = work.shape[0]
+    """‖A M⁻¹‖²_F · κ² — the total squared noise of the workload at noise multiplier 1 (differentiable). A may be
+    any rows × T (e.g. its last row only)."""
+    steps = work.shape[1]
     m = strategy_matrix(coefficients, steps)
     solved = torch.linalg.solve_triangular(m, work, upper=False, left=False)  # A M⁻¹
     return (coefficients**2).sum() * (solved**2).sum()
