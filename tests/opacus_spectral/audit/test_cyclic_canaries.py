@@ -137,4 +137,7 @@ def test_claim_is_the_mechanisms_accounting_at_rate_one() -> None:
     """μ = √(Σ σ′⁻²) over the steps the BandMF accounting charges: ⌈T/b⌉ of them (7 of 25 at b = 4), not T."""
     assert cyclic_claimed_mu(BandMFMechanism(bands=4), [2.0] * 25) == pytest.approx(math.sqrt(7) / 2, rel=1e-12)
     assert cyclic_claimed_mu(BandMFMechanism(bands=1), [2.0] * 25) == pytest.approx(2.5, rel=1e-12)
-    assert cyclic_claimed_mu(BandMFMechanism(bands=4), [2.0, 0.0, 2.0, 2.0, 0.0]) == math.inf  # step 4 charged, σ 0
+    assert cyclic_claimed_mu(BandMFMechanism(bands=4), [0.0] * 5) == math.inf  # no noise, no claim
+    with pytest.raises(ValueError, match="one noise multiplier"):  # the engine refuses a changing σ under BandMF
+        cyclic_claimed_mu(BandMFMechanism(bands=4), [2.0, 2.0, 1.0, 2.0])
+    assert cyclic_claimed_mu(BandMFMechanism(bands=49), [2.0] * 49) == 0.5  # 49 · (1/49) ≠ 1 in floating point

@@ -43,7 +43,7 @@ def _private(mechanism, steps=12, seed=3, accountant="rdp", model=None, **kw):
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH),
-        noise_multiplier=1.0,
+        noise_multiplier=kw.pop("noise_multiplier", 1.0),
         max_grad_norm=1.0,
         **extra,
         **kw,
@@ -320,3 +320,23 @@ def test_a_third_party_mechanism_registers_by_name_and_declares_only_an_accounti
     )
     with pytest.raises(ValueError, match="accounts only poisson and cyclic_poisson"):
         private("shuffled")
+
+
+def test_a_noise_multiplier_that_changes_during_the_run_is_refused(tmp_path):
+    """BandMF charges one σ for each b steps: a σ changed mid-run is stopped before the update (the steps between
+    charges would be uncharged at their own σ); a resume with another σ is refused at load_checkpoint."""
+    _, _, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=12)
+    _train(gsm, opt, dl, 2)
+    before = [p.detach().clone() for p in gsm.parameters()]
+    opt.noise_multiplier = 0.5  # what a noise scheduler would do
+    with pytest.raises(ValueError, match="one noise multiplier"):
+        _train(gsm, opt, dl, 1)
+    assert all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))
+
+    first, _, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=12)
+    _train(gsm, opt, dl, 3)
+    path = tmp_path / "ck.pt"
+    first.save_checkpoint(path=path, module=gsm, optimizer=opt)
+    resumed, _, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=12, noise_multiplier=2.0)
+    with pytest.raises(ValueError, match="would misreport epsilon"):
+        resumed.load_checkpoint(path=path, module=gsm, optimizer=opt)

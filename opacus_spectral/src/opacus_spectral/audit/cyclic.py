@@ -39,11 +39,14 @@ def whitened_scores(values: torch.Tensor, groups: torch.Tensor, coefficients: Se
 def cyclic_claimed_mu(mechanism: Any, noise_multipliers: Sequence[float]) -> float:
     """μ of the μ-GDP claim for a canary in every step of its group over the observed steps: the mechanism's
     Accounting at the within-group rate 1 (loader rate 1/b) — DP-SGD with (σ′, 1, ⌈T/b⌉), μ = √(Σ σ′⁻²) over the
-    steps it charges; ``inf`` after a charged step without noise."""
+    steps it charges; ``inf`` after a charged step without noise. One σ for the whole run (as the engine enforces):
+    with σ changing, a canary's whitened sensitivity would mix the σ of neighbouring steps."""
+    if len(set(noise_multipliers)) > 1 and mechanism.sample_rate_factor > 1:
+        raise ValueError(f"a BandMF canary claim needs one noise multiplier for the run, got {set(noise_multipliers)}")
     inverse_squares = []
     for t, sigma in enumerate(noise_multipliers):
         acc = mechanism.accounting(sigma, 1.0 / mechanism.sample_rate_factor)
-        if acc.sample_rate != 1.0:
+        if not math.isclose(acc.sample_rate, 1.0, rel_tol=1e-12):
             raise ValueError(f"the canaries' rate within a group must be 1, the accounting says {acc.sample_rate}")
         if acc.charge(t):
             if acc.noise_multiplier <= 0:

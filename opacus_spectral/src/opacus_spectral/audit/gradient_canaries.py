@@ -40,6 +40,7 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
+from ..mechanisms.bandmf import BandMFMechanism
 from ..mechanisms.install import mechanism_of
 from ..step.attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
 from ..step.installation import HANDLE_ATTR
@@ -218,6 +219,7 @@ class GradientCanaries:
         if score == "whitened":
             if self.bands == 1:
                 raise ValueError("score='whitened' is for BandMF runs (b > 1); DP-SGD's noise is white: use 'sum'")
+            self._check_phase()
             return whitened_scores(self.step_values(), self.groups, self.mechanism.coefficients)
         if score != "likelihood_ratio":
             raise ValueError(f"score must be 'sum', 'whitened' or 'likelihood_ratio', got {score!r}")
@@ -271,10 +273,19 @@ class GradientCanaries:
                 "claimed_epsilon(delta) (Opacus' accountant)"
             )
         if self.bands > 1:
+            self._check_phase()
             return cyclic_claimed_mu(self.mechanism, self.noise_multipliers)
         if any(s <= 0 for s in self.noise_multipliers):
             return math.inf
         return math.sqrt(sum(s**-2 for s in self.noise_multipliers))
+
+    def _check_phase(self) -> None:
+        """Every injection was read: the group of step t (t ≡ g mod b) is the same for the injections and the scores."""
+        if self._injected != self.steps:
+            raise RuntimeError(
+                f"{self._injected} injections but {self.steps} released steps read: a step was injected and not "
+                "released (removed mid-step?), so the canaries' groups and steps no longer line up"
+            )
 
     def claimed_epsilon(self, delta: float, *, accountant: str = "prv") -> float:
         """The ε a correct engine claims for one canary over the observed steps (``docs/math.md`` §5.4):
@@ -290,10 +301,13 @@ def _cyclic_setup(opt: DPOptimizer, sample_rate: float, groups: str) -> tuple[An
         raise ValueError(f"groups must be 'first' or 'spread', got {groups!r}")
     mechanism = mechanism_of(opt)
     bands = 1 if mechanism is None else int(mechanism.sample_rate_factor)
-    if mechanism is not None and mechanism.correlated and getattr(mechanism, "coefficients", None) is None:
+    if (bands > 1 or (mechanism is not None and mechanism.correlated)) and not isinstance(mechanism, BandMFMechanism):
         raise NotImplementedError(
-            f"gradient canaries know the correlated noise of BandMF only, not of {type(mechanism).__name__}"
+            f"gradient canaries know the cyclic sampling and correlated noise of BandMF only, not of "
+            f"{type(mechanism).__name__}"
         )
+    if bands > 1 and mechanism.coefficients is None:
+        raise RuntimeError("the BandMF mechanism is not set up yet: attach the canaries after make_private")
     if bands > 1 and sample_rate < 1.0:
         raise ValueError(
             "on a BandMF run the canaries take part in every step of their group (sample_rate=1): a subsampled "

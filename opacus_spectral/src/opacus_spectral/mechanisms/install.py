@@ -95,6 +95,8 @@ def accountant_hook(
         acc = mechanism.accounting(float(optim.noise_multiplier), 1 / _loader_len(optim))
         if not isinstance(acc, Accounting):  # the one form the library computes exactly: never a free-form ε
             raise TypeError(f"noise mechanism {mechanism.name!r} declared accounting {acc!r}, not an Accounting")
+        if acc.every > 1:
+            _check_constant_sigma(state, acc.noise_multiplier, mechanism.name)
         charged = acc.charge(state["step"])
         state["step"] += 1
         if charged:
@@ -104,6 +106,18 @@ def accountant_hook(
 
     hook.state = state  # type: ignore[attr-defined]  # the step, restored by load_checkpoint
     return hook
+
+
+def _check_constant_sigma(state: dict[str, Any], sigma: float, name: str) -> None:
+    """A mechanism charged every k > 1 steps is accounted with one σ for the k steps of each charge: a σ that changes
+    during the run (a noise scheduler, an edit) would leave steps uncharged at their σ. (A resume with another σ is
+    refused by ``load_checkpoint``, against the accountant's history.)"""
+    first = state.setdefault("noise_multiplier", sigma)
+    if sigma != first:
+        raise ValueError(
+            f"noise_mechanism={name!r} is accounted with one noise multiplier for the whole run ({first}), but step "
+            f"{state['step'] + 1} uses {sigma}: a changing σ (a noise scheduler, say) is not covered by its accounting"
+        )
 
 
 def check_in_step(loader: Any, step: int) -> None:

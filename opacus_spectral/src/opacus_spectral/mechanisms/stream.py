@@ -18,12 +18,14 @@ __all__ = ["BandStream"]
 
 class _Ring:
     """One tensor's b − 1 previous outputs, flattened into the rows of one ``(b − 1, n)`` buffer (zeros before the
-    stream has that many: x_{t−j} = 0 for t − j < 0), and the weights that line its rows up with c_1 … c_{b−1}."""
+    stream has that many: x_{t−j} = 0 for t − j < 0), and the weights that line its rows up with c_1 … c_{b−1}. Kept in
+    at least float32: coefficients rounded to a half type would put κ off 1 by ~2⁻⁸."""
 
     def __init__(self, coefficients: Sequence[float], z: torch.Tensor) -> None:
         k = len(coefficients) - 1
-        self.rows = torch.zeros(k, z.numel(), dtype=z.dtype, device=z.device)
-        c = torch.tensor(coefficients[1:], dtype=z.dtype, device=z.device)
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        self.rows = torch.zeros(k, z.numel(), dtype=dtype, device=z.device)
+        c = torch.tensor(coefficients[1:], dtype=dtype, device=z.device)
         # weights[s, r] = c_j with j − 1 = (s − r) mod k: when x_{t−1} sits in row s, row r holds x_{t−j}
         rows = torch.arange(k, device=z.device)
         self.weights = c[(rows[:, None] - rows[None, :]) % k]
@@ -47,18 +49,19 @@ class BandStream:
         return len(self.coefficients)
 
     def advance(self, key: Hashable, z: torch.Tensor) -> torch.Tensor:
-        """x_t for tensor ``key`` from this step's i.i.d. draw ``z`` (float math in z's dtype)."""
+        """x_t for tensor ``key`` from this step's i.i.d. draw ``z``, in z's dtype (computed in at least float32)."""
         if self.bands == 1:
             return z
         ring = self._history.get(key)
         if ring is None:
             ring = self._history[key] = _Ring(self.coefficients, z)
         # x_t = (z_t − Σ_j c_j x_{t−j}) / c_0, the sum as one product with the rows' weights
-        x = torch.addmv(z.reshape(-1), ring.rows.t(), ring.weights[ring.newest], alpha=-1.0)
+        flat = z.reshape(-1).to(ring.rows.dtype)
+        x = torch.addmv(flat, ring.rows.t(), ring.weights[ring.newest], alpha=-1.0)
         x.div_(self.coefficients[0])
         ring.newest = (ring.newest + 1) % (self.bands - 1)
         ring.rows[ring.newest].copy_(x)
-        return x.view_as(z)
+        return x.to(z.dtype).view_as(z)
 
     def reset(self) -> None:
         """Forget every buffer (a resumed run's fresh stream)."""
