@@ -90,13 +90,25 @@ REFERENCES = ("nonprivate", "clip-only")
 
 def bands_of(method: str) -> int | None:
     """b of a method named ``bandmf:<b>`` (DP-SGD's clipping and the BandMF noise mechanism with b bands, no
-    denoiser: ``docs/mechanisms.md``), else None."""
-    if not method.startswith("bandmf:"):
+    denoiser: ``docs/mechanisms.md``) or ``cyclic:<b>`` (the same cyclic Poisson sampler and accounting with
+    uncorrelated noise: BandMF with coefficients (1, 0, …, 0), an ablation), else None."""
+    kind, _, b = method.partition(":")
+    if kind not in ("bandmf", "cyclic") or not b:
         return None
-    bands = int(method.split(":", 1)[1])
+    bands = int(b)
     if bands < 1:
-        raise ValueError(f"bandmf:<b> needs b >= 1, got {method!r}")
+        raise ValueError(f"{kind}:<b> needs b >= 1, got {method!r}")
     return bands
+
+
+def mechanism_of_method(method: str) -> tuple[str, dict[str, Any]] | None:
+    """The ``noise_mechanism`` of a method: BandMF's for ``bandmf:<b>``, BandMF with M = I for ``cyclic:<b>``."""
+    bands = bands_of(method)
+    if bands is None:
+        return None
+    if method.startswith("cyclic:"):
+        return ("bandmf", {"bands": bands, "coefficients": [1.0] + [0.0] * (bands - 1)})
+    return ("bandmf", {"bands": bands})
 
 
 def accounting(method: str, q: float, steps: int) -> tuple[float, int]:
@@ -127,7 +139,8 @@ class Config:
         only={"model": ("minilm",)},
     )
     methods: list[str] = opt(
-        ["none", "rmt", "doppler", "rmt+doppler"], "methods: " + ", ".join(METHODS) + ", bandmf:<b> (BandMF noise)"
+        ["none", "rmt", "doppler", "rmt+doppler"],
+        "methods: " + ", ".join(METHODS) + ", bandmf:<b> (BandMF noise), cyclic:<b> (its sampler, uncorrelated noise)",
     )
     optimizers: list[str] = opt(["sgd"], "sgd (momentum 0.9), adamw and/or adambc:<gamma> (DP-AdamBC, floor gamma)")
     batches: list[int] = opt([1024, 4096], "expected Poisson batch sizes")
@@ -414,7 +427,7 @@ def one_run(
         desc=f"{method} {optimizer} B{batch}",
         on_step=oracle if nm > 0 else None,
         eval_sets={"val": task.val},
-        noise_mechanism=None if bands_of(method) is None else ("bandmf", {"bands": bands_of(method)}),
+        noise_mechanism=mechanism_of_method(method),
         **bed_options(cfg, task, batch, steps),
     )
     return {
