@@ -31,6 +31,7 @@ from opacus_spectral.audit import GradientCanaries, audit_scores, gaussian_dp_ep
 from opacus_spectral.audit.cyclic import whitened_scores
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
 from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients
+from opacus_spectral.step.attachment import BEFORE_NOISE, CANARIES, attachment
 from torch import nn
 
 from .. import runner
@@ -66,24 +67,26 @@ def arm_steps(steps: int, bands: int) -> int:
 
 class CyclicGradientCanaries(GradientCanaries):
     """The library's canaries (cyclic on a BandMF run: :mod:`opacus_spectral.audit.cyclic`) that also keep the
-    data's clipped gradient sum at each canary's coordinate per step (read before the canaries are added), for the
-    data-subtracted score. ``bands = 1``: :class:`~opacus_spectral.audit.GradientCanaries` exactly (same
-    coordinates, coins, injections and sums)."""
+    data's clipped gradient sum at each canary's coordinate per step (read before the canaries are added: a
+    ``BEFORE_NOISE`` subscriber ordered ahead of theirs), for the data-subtracted score. ``bands = 1``:
+    :class:`~opacus_spectral.audit.GradientCanaries` exactly (same coordinates, coins, injections and sums)."""
 
     def __init__(self, dp_optimizer: Any, num_canaries: int, *, spread: bool = False, module: Any = None, seed=0):
         self._clean: list[torch.Tensor] = []
         groups = "spread" if spread else "first"
         super().__init__(dp_optimizer, num_canaries, module=module, seed=seed, groups=groups)
+        self._clean_subscription = attachment(dp_optimizer).subscribe(
+            BEFORE_NOISE, self._read_clean, order=CANARIES - 1
+        )
 
-    def _add_noise(self, opt: Any) -> None:
-        if self.bands > 1:  # the data's clipped sum at each canary's coordinate, before the canaries are added
-            clean = torch.zeros(self.num_canaries, dtype=torch.float64)
-            for j, idx, pos in self._slots:
-                summed = getattr(self._params[j], "summed_grad", None)
-                if summed is not None:
-                    clean[pos] = summed.detach().reshape(-1).index_select(0, idx).to("cpu", torch.float64)
-            self._clean.append(clean / float(opt.max_grad_norm))
-        super()._add_noise(opt)
+    def _read_clean(self, opt: Any) -> None:
+        if self.bands > 1:
+            summed = [getattr(p, "summed_grad", None) for p in self.parameters]
+            self._clean.append(self.gather(summed) / float(opt.max_grad_norm))
+
+    def remove(self) -> None:
+        self._clean_subscription.remove()
+        super().remove()
 
     def clean_values(self) -> torch.Tensor:
         """(T, m): the data's clipped gradient sum at each canary's coordinate per step, in the same units."""

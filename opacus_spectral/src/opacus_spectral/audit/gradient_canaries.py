@@ -94,9 +94,10 @@ class GradientCanaries:
             raise ValueError("canaries on a BandMF run need their per-step values (keep_steps=True)")
         select = resolve_param_filter(params)
         infos = describe_parameters(dp_optimizer.params, module, None)
-        self._params = [p for p in dp_optimizer.params if select(infos[id(p)].name)]
-        self.param_names = [infos[id(p)].name for p in self._params]
-        sizes = np.array([p.numel() for p in self._params], dtype=np.int64)
+        #: the parameters that hold canaries (in the optimizer's order), and their names
+        self.parameters = [p for p in dp_optimizer.params if select(infos[id(p)].name)]
+        self.param_names = [infos[id(p)].name for p in self.parameters]
+        sizes = np.array([p.numel() for p in self.parameters], dtype=np.int64)
         total = int(sizes.sum())
         if not 1 <= num_canaries <= total:
             raise ValueError(
@@ -118,7 +119,7 @@ class GradientCanaries:
         self._slots: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for j in np.unique(owner):
             pos = np.flatnonzero(owner == j)
-            dev = self._params[j].device
+            dev = self.parameters[j].device
             self._slots.append((int(j), torch.from_numpy(coords[pos] - starts[j]).to(dev), torch.from_numpy(pos)))
         #: (parameter name, flat index) of every canary
         self.coordinates = [(self.param_names[int(o)], int(c - starts[o])) for o, c in zip(owner, coords, strict=True)]
@@ -146,7 +147,7 @@ class GradientCanaries:
             present &= torch.rand(self.num_canaries, generator=self._gen) < self.sample_rate
         weight = present.to(torch.float64) * float(opt.max_grad_norm)
         for j, idx, pos in self._slots:
-            p = self._params[j]
+            p = self.parameters[j]
             summed = getattr(p, "summed_grad", None)
             if summed is None:  # frozen this step: its canaries are not in the sum
                 continue
@@ -167,17 +168,20 @@ class GradientCanaries:
                 "make_private"
             )
         unit = float(self.optimizer.max_grad_norm) * clean_scale(self.optimizer)  # one canary's signal in p.grad
-        values = torch.zeros(self.num_canaries, dtype=torch.float64)
-        for j, idx, pos in self._slots:
-            g = self._params[j].grad
-            if g is None:
-                continue
-            flat = g.detach().reshape(-1)
-            values[pos] = flat.index_select(0, idx).to(device="cpu", dtype=torch.float64) / unit
+        values = self.gather([p.grad for p in self.parameters]) / unit
         self._sums += values
         if self.keep_steps:
             self._steps.append(values.to(torch.float32))
         self.noise_multipliers.append(float(self.optimizer.noise_multiplier))
+
+    def gather(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """(m,) float64 on the CPU: each canary's entry of ``tensors`` — one tensor per entry of :attr:`parameters`,
+        shaped like it (``None``: its canaries read 0)."""
+        values = torch.zeros(self.num_canaries, dtype=torch.float64)
+        for j, idx, pos in self._slots:
+            if tensors[j] is not None:
+                values[pos] = tensors[j].detach().reshape(-1).index_select(0, idx).to("cpu", torch.float64)
+        return values
 
     def remove(self) -> None:
         """Stop injecting and reading (the optimizer's ``add_noise`` is restored)."""
