@@ -188,6 +188,10 @@ def test_gradient_canaries_are_injected_exactly_into_the_clipped_sum() -> None:
         assert int((released != 0).sum()) == int(can.included.sum())
         assert torch.allclose(released[released != 0], torch.tensor(0.7 / 64))
     assert can.steps == 3 and len({c for c in can.coordinates}) == 300
+    named = dict(model.named_parameters())  # gather reads each canary's own coordinate, in the canaries' order
+    marked = [torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) for p in can.parameters]
+    assert can.gather(marked).tolist() == [float(i) for _, i in can.coordinates]
+    assert all(named[n] is p for n, p in zip(can.param_names, can.parameters, strict=True))
     assert torch.allclose(can.scores(), 3.0 * can.included.double(), rtol=1e-6)  # in units of one canary's signal
     assert can.audit(guesses=[(50, 50)]).num_correct == 100
     assert can.claimed_epsilon(1e-5) == math.inf  # no noise, no claim
