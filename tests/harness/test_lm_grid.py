@@ -142,7 +142,7 @@ def test_report_computes_the_section_10_metrics() -> None:
     assert fast["steps_to_none_final"]["fewer_steps_fraction"]["mean"] == pytest.approx(0.5)  # (0.4 + 0.6) / 2
     assert slow["steps_to_none_final"]["per_seed"] == [60, 60] and slow["steps_to_none_final"]["never_reached"] == 2
     assert slow["epsilon_to_none_final"]["per_seed"] == [None, None]
-    eps30, eps50 = lm_report.epsilon_after(0.4, 0.01, 30), lm_report.epsilon_after(0.4, 0.01, 50)
+    eps30, eps50 = (lm_report.epsilon_after(fake_run("none", 0, []), t) for t in (30, 50))
     assert 0 < eps30 < eps50 and fast["epsilon_to_none_final"]["per_seed"][0] == pytest.approx(eps30)
     assert fast["perplexity_gain_vs_none"]["50"]["mean"] == pytest.approx(2.5)  # none − fast: (2 + 3) / 2
     assert fast["perplexity"]["50"][0] == pytest.approx(18.5)
@@ -153,6 +153,23 @@ def test_report_computes_the_section_10_metrics() -> None:
     assert fast["steps_to_none_final"]["fewer_steps_fraction"]["verdict"] == "inconclusive"  # 2 seeds: wide
     table = lm_report.tables({"runs": runs, "analysis": an})
     assert "| fast | 30, 20; 0 |" in table and "> run" in table
+
+
+def test_epsilon_after_charges_each_run_as_its_mechanism_is() -> None:
+    """BandMF's ε after t steps is DP-SGD's with (σ, b·q, ⌈t/b⌉), computed here with Opacus' accountant directly;
+    charging a BandMF run as DP-SGD (σ, q, t) would print a smaller ε than the run spent."""
+    from opacus.accountants import PRVAccountant
+
+    def opacus_eps(nm: float, q: float, steps: int) -> float:
+        acc = PRVAccountant()
+        acc.history = [(nm, q, steps)]
+        return acc.get_epsilon(delta=1e-5)
+
+    banded, plain = fake_run("bandmf:4", 0, []), fake_run("none", 0, [])
+    assert lm_report.epsilon_after(banded, 30) == pytest.approx(opacus_eps(0.4, 0.04, 8), rel=1e-9)
+    assert lm_report.epsilon_after(plain, 30) == pytest.approx(opacus_eps(0.4, 0.01, 30), rel=1e-9)
+    assert lm_report.epsilon_after(banded, 30) > lm_report.epsilon_after(plain, 30)
+    assert lm_report.epsilon_after(banded, 0) == 0.0
 
 
 @pytest.mark.parametrize(

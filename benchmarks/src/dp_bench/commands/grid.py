@@ -58,6 +58,7 @@ from ..adapters import Trainable, build_top
 from ..config import as_json, opt, parse_config, recorded_config, same_config, start
 from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task
 from ..meta import RESULTS
+from ..noise_methods import accounting, bands_of, mechanism_of_method
 from ..runner import Cell
 from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
@@ -86,36 +87,6 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }
 REFERENCES = ("nonprivate", "clip-only")
-
-
-def bands_of(method: str) -> int | None:
-    """b of a method named ``bandmf:<b>`` (DP-SGD's clipping and the BandMF noise mechanism with b bands, no
-    denoiser: ``docs/mechanisms.md``) or ``cyclic:<b>`` (the same cyclic Poisson sampler and accounting with
-    uncorrelated noise: BandMF with coefficients (1, 0, …, 0), an ablation), else None."""
-    kind, _, b = method.partition(":")
-    if kind not in ("bandmf", "cyclic") or not b:
-        return None
-    bands = int(b)
-    if bands < 1:
-        raise ValueError(f"{kind}:<b> needs b >= 1, got {method!r}")
-    return bands
-
-
-def mechanism_of_method(method: str) -> tuple[str, dict[str, Any]] | None:
-    """The ``noise_mechanism`` of a method: BandMF's for ``bandmf:<b>``, BandMF with M = I for ``cyclic:<b>``."""
-    bands = bands_of(method)
-    if bands is None:
-        return None
-    if method.startswith("cyclic:"):
-        return ("bandmf", {"bands": bands, "coefficients": [1.0] + [0.0] * (bands - 1)})
-    return ("bandmf", {"bands": bands})
-
-
-def accounting(method: str, q: float, steps: int) -> tuple[float, int]:
-    """The (sample rate, steps) the accountant charges a method at Poisson rate ``q`` over ``steps``: BandMF's
-    (b·q, ⌈steps/b⌉) with cyclic Poisson sampling, DP-SGD's (q, steps) otherwise."""
-    bands = bands_of(method) or 1
-    return bands * q, math.ceil(steps / bands)
 
 
 #: the settings only the causal-LM bed reads (recorded as None for the others: :func:`dp_bench.config.as_json`)

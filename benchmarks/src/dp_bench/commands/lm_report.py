@@ -6,8 +6,9 @@
 2. Steps to reach the ``none`` arm's final test perplexity *of the same seed*: the first evaluated step that
    reaches it (never reached: the budget plus one evaluation interval, e.g. 60 for 50 steps evaluated every 10),
    and the fewer-steps fraction ``(steps_none − steps) / steps_none`` (paper A's unit).
-3. ε at that step (the PRV accountant's ε after that many steps at the run's noise multiplier and sample rate;
-   never reached: no value, counted), and the ε saved against ``none``.
+3. ε at that step (the PRV accountant's ε after that many steps at the run's noise multiplier, charged as its
+   mechanism is: DP-SGD's (σ, q, t), BandMF's (σ, b·q, ⌈t/b⌉); never reached: no value, counted), and the ε saved
+   against ``none``.
 
 Every paired interval is a 95 % t-interval over seeds with its paired t-test p, Holm-adjusted over the whole
 section's family (all methods, steps and metrics of the grid). Verdicts are CI-based: **reproduced** when the
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..analysis import fmt_p, holm_family, mean_std, paired_ci, steps_to_reach
+from ..noise_methods import accounting
 
 BASELINE = "none"
 REFERENCES = ("nonprivate", "clip-only")
@@ -38,13 +40,15 @@ def _ppl(score: float) -> float:
     return math.exp(-score)
 
 
-def epsilon_after(noise_multiplier: float, sample_rate: float, steps: int, delta: float = 1e-5) -> float:
-    """The PRV accountant's ε after ``steps`` Poisson steps (0 steps: 0)."""
+def epsilon_after(run: dict[str, Any], steps: int, delta: float = 1e-5) -> float:
+    """The PRV accountant's ε of ``run`` (a grid record) after its first ``steps`` steps (0 steps: 0), charged as
+    its method's mechanism is (:func:`dp_bench.noise_methods.accounting`)."""
     if steps <= 0:
         return 0.0
     from opacus_spectral import epsilon_from_history
 
-    return epsilon_from_history([(noise_multiplier, sample_rate, int(steps))], delta, "prv")
+    rate, charged = accounting(run["method"], run["sample_rate"], int(steps))
+    return epsilon_from_history([(run["noise_multiplier"], rate, charged)], delta, "prv")
 
 
 def verdict(ci: dict[str, Any], smallest_gain: float) -> str:
@@ -114,8 +118,8 @@ def _method(seeds: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], c
         mine.append(t)
         theirs.append(t0)
         never += not reached
-        eps_mine.append(epsilon_after(seeds[k]["noise_multiplier"], seeds[k]["sample_rate"], t) if reached else None)
-        eps_theirs.append(epsilon_after(base[k]["noise_multiplier"], base[k]["sample_rate"], t0))
+        eps_mine.append(epsilon_after(seeds[k], t) if reached else None)
+        eps_theirs.append(epsilon_after(base[k], t0))
     entry["steps_to_none_final"] = {
         "per_seed": mine,
         "none_per_seed": theirs,
