@@ -171,6 +171,40 @@ def test_grid_grown_on_resume_keeps_its_runs_and_lr_choice_and_adds_only_the_new
         grid.main([*base, "--epsilons", "3", "--resume"])  # would drop the stored ε = 1 runs
 
 
+def test_more_lr_extensions_on_resume_move_an_edge_choice_and_supersede_its_evaluations() -> None:
+    """A grid tuned with ``--lr-extensions 0`` whose best rate sat at the grid's edge (§10) resumes with more: the
+    tuning round reopens outward, evaluation waits for the new choice and runs at it, and the report reads only the
+    runs at the current choice (the old ones stay stored). Fewer extensions than stored are refused."""
+    from dp_bench import runner
+    from dp_bench.commands import grid, grid_report
+    from dp_bench.config import as_json
+
+    kw = dict(methods=["none"], optimizers=["sgd"], batches=[256], epsilons=[3.0], seeds=[0], references=False)
+    old, more = grid.Config(**kw, lr_extensions=0), grid.Config(**kw, lr_extensions=2)
+    assert grid.resumable(as_json(old), as_json(more)) and not grid.resumable(as_json(more), as_json(old))
+    tune = grid.cell_of("tune", "none", "sgd", 256, 3.0, 100)
+    result: dict = {"runs": {}, "lr_choice": {}}
+    for lr, val in zip(grid.LR_GRIDS["sgd"], (0.5, 0.6, 0.7, 0.8), strict=True):  # best at the upper edge
+        result["runs"][tune.key(lr)] = {"final_val": val}
+    assert grid.tune_round(result, old, tune) == [] and result["lr_choice"]["none|sgd|B256"]["lr"] == 4.0
+
+    def evaluation(lr: float) -> dict:
+        return {"method": "none", "optimizer": "sgd", "batch": 256, "seed": 0, "lr": lr, "target_epsilon": 3.0}
+
+    result["runs"]["eval|none|sgd|B256|eps3|s0|lr4"] = evaluation(4.0)
+    assert grid_report.evaluations(result) == [evaluation(4.0)]
+    plan = grid.planned(more)
+    (cell, lr, _), _, _ = runner.next_run(result["runs"], plan, grid.GridSchedule(more), result, lambda k: True)
+    assert (cell.phase, lr) == ("tune", 8.0)  # reopened outward
+    result["runs"][tune.key(8.0)] = {"final_val": 0.9}
+    result["runs"][tune.key(16.0)] = {"final_val": 0.85}  # 8 is now interior: final
+    (cell, lr, _), _, _ = runner.next_run(result["runs"], plan, grid.GridSchedule(more), result, lambda k: True)
+    assert (cell.phase, lr) == ("eval", 8.0) and result["lr_choice"]["none|sgd|B256"]["lr"] == 8.0
+    result["runs"]["eval|none|sgd|B256|eps3|s0|lr8"] = evaluation(8.0)
+    assert grid_report.evaluations(result) == [evaluation(8.0)]  # the run at 4 is superseded, still stored
+    assert len([k for k in result["runs"] if k.startswith("eval|")]) == 2
+
+
 def test_released_oracle_is_exact_without_noise_and_sees_a_scaled_update() -> None:
     """Clipping only (σ = 0): the released update is the clean clipped mean, so cos = 1 and the norm ratio 1;
     a denoiser that halves the update keeps cos = 1 and halves the ratio (globally and per matrix)."""

@@ -66,6 +66,7 @@ from ..timing import timed_steps
 from ..train import adambc_gamma, run_dp
 from ..vision import build
 from . import grid_report, lm_report
+from .grid_report import REFERENCES
 
 #: method -> (post_hooks, SGD momentum override: temporal filters hold the momentum themselves); "disk"'s
 #: denoiser also offers DiSK's two-point gradient, which :func:`dp_bench.train.run_dp` trains with (per-sample
@@ -86,7 +87,6 @@ METHODS: dict[str, tuple[list[Any], float | None]] = {
     "rmt+doppler": ([("rmt_paper", {"warn_after": 0}), ("doppler", {})], 0.0),
     "disk": ([("disk", {"kappa": 0.7})], 0.0),
 }
-REFERENCES = ("nonprivate", "clip-only")
 
 
 #: the settings only the causal-LM bed reads (recorded as None for the others: :func:`dp_bench.config.as_json`)
@@ -535,18 +535,24 @@ def planned(cfg: Config) -> list[Cell]:
 #: the lists a ``--resume`` may extend: the grid grows by the new values (more ε, seeds, methods, batches or
 #: optimizers), the stored runs and learning-rate choices are kept, and nothing stored may be dropped
 GROWABLE = ("methods", "optimizers", "batches", "epsilons", "seeds")
+#: counts that may only grow on ``--resume``: more extensions may move a tuning choice outward (the runs at the
+#: old choice stay stored, superseded: :func:`dp_bench.commands.grid_report.evaluations`)
+GROWABLE_COUNTS = ("lr_extensions",)
 
 
 def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a stored grid's configuration is this one, up to the execution settings (``resume``; ``threads``:
     the thread count changes only the order of float sums; ``out``: the folder of the JSON being resumed, an absolute
     path that differs between checkouts), options added since at their defaults, and the
-    :data:`GROWABLE` lists, which may only grow (every stored value is still asked for). An option's default is the
+    :data:`GROWABLE` lists, which may only grow (every stored value is still asked for), as may
+    :data:`GROWABLE_COUNTS`. An option's default is the
     default on this bed (a setting another bed reads is recorded as None)."""
     defaults = as_json(Config(model=now["model"]))
-    if not same_config(stored, now, defaults=defaults, ignore={"resume", "threads", "out", *GROWABLE}):
+    ignore = {"resume", "threads", "out", *GROWABLE, *GROWABLE_COUNTS}
+    if not same_config(stored, now, defaults=defaults, ignore=ignore):
         return False
-    return all(set(stored.get(k, defaults[k])) <= set(now[k]) for k in GROWABLE)
+    counts = all(stored.get(k, defaults[k]) <= now[k] for k in GROWABLE_COUNTS)
+    return counts and all(set(stored.get(k, defaults[k])) <= set(now[k]) for k in GROWABLE)
 
 
 def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
@@ -560,7 +566,7 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     result: dict[str, Any] = runner.load(path, REPORT) if cfg.resume and path.is_file() else {"runs": {}}
     if cfg.resume and result.get("config") and not resumable(result["config"], header["config"]):
         raise SystemExit(
-            f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE)} may "
+            f"--resume: {path} was made with another configuration (only {', '.join(GROWABLE + GROWABLE_COUNTS)} may "
             "grow, nothing stored may be dropped); use another --name"
         )
     if not cfg.resume and path.is_file():  # a fresh grid: nothing of an old JSON under this name is merged in

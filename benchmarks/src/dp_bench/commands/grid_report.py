@@ -14,6 +14,7 @@ import numpy as np
 from ..analysis import crossing_step, eps_at_accuracy, fmt_p, holm, holm_family, mean_std, paired_ci
 
 BASELINE = "none"
+REFERENCES = ("nonprivate", "clip-only")
 #: the non-spectral denoisers a spectral variant is compared with (issue target: beat the best of them)
 PEERS = ("ema", "doppler", "disk")
 
@@ -23,8 +24,20 @@ def is_spectral(method: str) -> bool:
     return any(part.startswith("rmt") for part in method.split("+"))
 
 
-def _evals(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for k, r in result["runs"].items() if k.startswith("eval|")]
+def evaluations(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The evaluation runs at their arm's chosen learning rate (``lr_choice``; an untuned reference: the
+    ``none`` arm's). A choice that moved — ``--lr-extensions`` grown on ``--resume`` — leaves the runs at the old
+    rate stored, superseded; a grid without tuning (``--no-tune``) keeps every run."""
+    choice = result.get("lr_choice", {})
+
+    def current(r: dict[str, Any]) -> bool:
+        cell = f"{r['optimizer']}|B{r['batch']}"
+        own = choice.get(f"{r['method']}|{cell}")
+        if own is None and r["method"] in REFERENCES:
+            own = choice.get(f"{BASELINE}|{cell}")
+        return own is None or own["lr"] == r["lr"]
+
+    return [r for k, r in result["runs"].items() if k.startswith("eval|") and current(r)]
 
 
 def analyze(result: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +47,7 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
     and the paired ε saved."""
     cfg = result["config"]
     by: dict[tuple[str, int, float, str], dict[int, dict[str, Any]]] = defaultdict(dict)
-    for r in _evals(result):
+    for r in evaluations(result):
         eps = r["target_epsilon"]
         by[(r["optimizer"], r["batch"], float("inf") if eps in (None, math.inf) else eps, r["method"])][r["seed"]] = r
     cells: dict[str, Any] = {}
@@ -320,7 +333,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfg = result["config"]
-    evals = _evals(result)
+    evals = evaluations(result)
     combos = sorted({(r["optimizer"], r["batch"]) for r in evals})
     if not combos:
         return

@@ -29,9 +29,8 @@ import numpy as np
 
 from ..analysis import fmt_p, holm_family, mean_std, paired_ci, steps_to_reach
 from ..noise_methods import accounting
+from .grid_report import BASELINE, REFERENCES, evaluations
 
-BASELINE = "none"
-REFERENCES = ("nonprivate", "clip-only")
 #: paper A's smallest reported gains: 15.6 % fewer steps, 0.17 ε saved (docs/results.md §10, "Metrics")
 SMALLEST_GAIN = {"perplexity": 0.0, "fewer_steps": 0.156, "epsilon_saved": 0.17}
 
@@ -67,9 +66,7 @@ def _cells(result: dict[str, Any]) -> dict[tuple[str, int, float], dict[str, dic
     """(optimizer, B, ε) -> method -> seed -> evaluation run (the references under every ε of their cell)."""
     by: dict[tuple[str, int, float], dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     refs = []
-    for key, r in result["runs"].items():
-        if not key.startswith("eval|"):
-            continue
+    for r in evaluations(result):
         if r["method"] in REFERENCES:
             refs.append(r)
             continue
