@@ -204,6 +204,30 @@ def test_a_skipped_batch_is_refused_before_its_update():
     assert engine.accountant.history == [(1.0, 0.5, 1)]
 
 
+def test_physical_batches_of_batch_memory_manager_advance_the_noise_once_per_logical_step():
+    """Opacus' BatchMemoryManager splits each cyclic Poisson batch into physical batches of ≤ 5: the run equals the
+    unsplit one (the same batches and one stream step per logical step; summation order aside), and so does ε."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    runs, physical_steps = [], 0
+    for physical in (None, 5):
+        engine, model, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=8)
+        if physical is None:
+            _train(gsm, opt, dl, 8)
+        else:
+            with BatchMemoryManager(data_loader=dl, max_physical_batch_size=physical, optimizer=opt) as loader:
+                for xb, idx in loader:  # one pass: the 8 logical steps
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(gsm(xb), Y[idx]).backward()
+                    opt.step()
+                    physical_steps += 1
+        runs.append(([p.detach().clone() for p in model.parameters()], engine.accountant.history))
+    (plain, history), (split, split_history) = runs
+    assert history == split_history == [(1.0, 0.5, 2)] and physical_steps > 30  # ≈ 32 records per batch, split
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, split, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, [p.detach() for p in _model().parameters()], strict=True))
+
+
 @pytest.mark.parametrize(
     "mechanism, kw, match",
     [
