@@ -192,6 +192,10 @@ def test_gradient_canaries_are_injected_exactly_into_the_clipped_sum() -> None:
     marked = [torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) for p in can.parameters]
     assert can.gather(marked).tolist() == [float(i) for _, i in can.coordinates]
     assert all(named[n] is p for n, p in zip(can.param_names, can.parameters, strict=True))
+    with pytest.raises(ValueError, match="one tensor per canary parameter"):
+        can.gather(marked[:-1])
+    with pytest.raises(ValueError, match="shape"):  # the right number of entries read in the wrong layout
+        can.gather([m.t() if m.dim() == 2 else m for m in marked])
     assert torch.allclose(can.scores(), 3.0 * can.included.double(), rtol=1e-6)  # in units of one canary's signal
     assert can.audit(guesses=[(50, 50)]).num_correct == 100
     assert can.claimed_epsilon(1e-5) == math.inf  # no noise, no claim

@@ -177,6 +177,15 @@ class GradientCanaries:
     def gather(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """(m,) float64 on the CPU: each canary's entry of ``tensors`` — one tensor per entry of :attr:`parameters`,
         shaped like it (``None``: its canaries read 0)."""
+        if len(tensors) != len(self.parameters):
+            raise ValueError(
+                f"gather needs one tensor per canary parameter ({len(self.parameters)}), got {len(tensors)}"
+            )
+        for t, p in zip(tensors, self.parameters, strict=True):
+            if t is not None and t.shape != p.shape:
+                raise ValueError(
+                    f"gather: a tensor of shape {tuple(t.shape)} for a parameter of shape {tuple(p.shape)}"
+                )
         values = torch.zeros(self.num_canaries, dtype=torch.float64)
         for j, idx, pos in self._slots:
             if tensors[j] is not None:
