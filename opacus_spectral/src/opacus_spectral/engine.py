@@ -447,13 +447,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
         poisson = kwargs.get("poisson_sampling", True) or sampler_kind(loader) == "poisson"
         sample_rate = 1 / len(loader) if poisson else 1.0  # shuffled: one Gaussian mechanism per epoch
         steps = int(epochs / sample_rate) if poisson else math.ceil(epochs)
-        spec = kwargs.get("noise_mechanism")
+        spec, scale = kwargs.get("noise_mechanism"), 1.0
         if spec is not None and spec != "gaussian":  # calibrated through the mechanism's own accounting
             mechanism = (self.registry or get_registry()).create_mechanism(spec)
             kwargs.update(noise_mechanism=mechanism, steps=steps)
             mechanism.setup(steps=steps, sample_rate=sample_rate, dataset_size=len(loader.dataset))
             accounting = mechanism.accounting(1.0, sample_rate)
             sample_rate, steps = accounting.sample_rate, math.ceil(steps / accounting.every)
+            scale = accounting.noise_multiplier  # charged σ′ = σ × scale (BandMF: 1/κ)
         # what the accountant will already hold: its own steps, then the model's privacy record (.privacy_record)
         prior = [*self.accountant.history, *prior_history(self, kwargs.get("module"), **_unit(kwargs))]
         sigma = noise_multiplier_after(
@@ -465,7 +466,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             accountant=self.accountant.mechanism(),
             epsilon_tolerance=kwargs.pop("epsilon_tolerance", 0.01),
         )
-        return self.make_private(*args, noise_multiplier=sigma, **kwargs)
+        return self.make_private(*args, noise_multiplier=sigma / scale, **kwargs)
 
     def _install_guards(self, out: tuple[Any, ...], batch_check: BatchCheckSetting, kwargs: dict[str, Any]) -> None:
         """DESIGN invariant 8 on the user's set-up: clipping in float32 under autocast
@@ -695,10 +696,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         detected.
         """
         checkpoint = load_checkpoint_file(path, trusted=trusted, **(torch_load_kwargs or {}))
-        steps = self._verify_dp_state(
-            checkpoint, optimizer, noise_scheduler, noise_multiplier, sample_rate, where=str(path)
-        )
-        for generator, purpose, rank in self._generators:  # the resumed steps never replay the first steps' noise
+        self._verify_dp_state(checkpoint, optimizer, noise_scheduler, noise_multiplier, sample_rate, where=str(path))
+        steps = checkpoint[COUNT_KEY]["dp_steps"]  # DP steps, not the history's (BandMF charges one every b)
+        for generator, purpose, rank in self._generators:  # the resumed steps never replay earlier steps' noise
             self.noise_source.reseed_for_resume(generator, purpose, steps, rank)
         module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
         self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
@@ -776,9 +776,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
             counters.append(optimizer_step_count(checkpoint.get("optimizer_state_dict", {})))
             if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
                 counters.append(pipeline["step"])
+        correlated = self.mechanism_run is not None and self.mechanism_run.mechanism.correlated
+        if multiplier is not None and self.mechanism_run is not None:  # the history holds the charged σ′
+            multiplier = self.mechanism_run.mechanism.accounting(multiplier, q).noise_multiplier
         steps = verify_accountant_history(
             accountant["history"],
-            noise_multiplier=None if noise_scheduler is not None else multiplier,
+            # a band spanning the resume is charged once: its σ may not change there, scheduler or not
+            noise_multiplier=None if noise_scheduler is not None and not correlated else multiplier,
             sample_rate=q,
             min_steps=max(counters),
             where=where,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
 from opacus_spectral.mechanisms.base import Accounting, GaussianMechanism
-from opacus_spectral.mechanisms.cyclic import CyclicPoissonSampler, partition
+from opacus_spectral.mechanisms.cyclic import CyclicPoissonSampler, group_labels, partition
 
 
 def test_each_record_is_sampled_only_at_its_groups_steps_and_at_rate_p():
@@ -30,7 +30,26 @@ def test_each_record_is_sampled_only_at_its_groups_steps_and_at_rate_p():
         counts[batch] += 1
     per_record = counts / (steps / groups)  # each record's group came up steps / groups times
     assert abs(float(per_record.mean()) - p) < 0.02  # 60 × 200 Bernoulli draws: std of the mean ≈ 0.0045
-    assert sorted(len(part) for part in partition(n, groups, 5)) == [20, 20, 20]
+    assert sorted(torch.cat(partition(n, groups, 5)).tolist()) == list(range(n))  # each record in exactly one group
+
+
+def test_each_records_group_is_independent_of_the_others_and_of_n():
+    """Add/remove adjacency: adding a record regroups no other (an equal split of a permutation of N would), and the
+    groups are i.i.d. uniform: 4 groups of 200,000 records, each count within 5 s.d. of 50,000 (s.d. 194), and the
+    pair (group of i, group of i + 1) uniform on the 16 pairs (chi-square, 15 degrees of freedom, below its 0.999
+    quantile 37.7)."""
+    n, b = 200_000, 4
+    labels = group_labels(n + 1, b, seed=3)
+    assert torch.equal(labels[:n], group_labels(n, b, seed=3))  # across the chunks of 65,536 records
+    assert torch.equal(labels[: n // 2], group_labels(n // 2, b, seed=3))
+    counts = torch.bincount(labels[:n], minlength=b).double()
+    assert torch.all((counts - n / b).abs() < 5 * math.sqrt(n * (1 / b) * (1 - 1 / b)))
+    pairs = torch.bincount(labels[:-1] * b + labels[1:], minlength=b * b).double()
+    expected = n / (b * b)
+    assert float(((pairs - expected) ** 2 / expected).sum()) < 37.7
+    parts = partition(n, b, seed=3)
+    assert all(torch.equal(part, torch.nonzero(labels[:n] == g).flatten()) for g, part in enumerate(parts))
+    assert not torch.equal(group_labels(n, b, seed=4), labels[:n])
 
 
 def test_the_partition_is_a_function_of_its_seed_and_a_resume_continues_the_cycle():

@@ -1,9 +1,10 @@
 """``dp-bench audit --experiment fdp-bandmf``: the f-DP one-run audit of BandMF runs (``docs/audit.md``, "BandMF").
 
 Arms: ``bandmf:<b>`` is a correct run of ``noise_mechanism=("bandmf", {"bands": b})``; ``bandmf:<b>:kappa=<K>`` is
-a broken one, its coefficients the optimal ones times K — κ = K while the accounting assumes κ = 1, so the released
-noise is K times too small. Every run is the validity experiment's (:func:`.audit.validity_run`: the same synthetic
-data, model, seeds and m white-box canaries) with b·⌈T/b⌉ steps and σ = √⌈T/b⌉/μ, so that every arm claims the same
+a broken one, its coefficients the optimal ones times K — κ = K while its accounting (:class:`MisaccountedBandMF`, on
+purpose) charges κ = 1, so the released noise is K times too small. Every run is the validity experiment's
+(:func:`.audit.validity_run`: the same synthetic data, model, seeds and m white-box canaries) with b·⌈T/b⌉ steps and
+σ = √⌈T/b⌉/μ, so that every arm claims the same
 μ-GDP for a canary.
 
 Canaries are cyclic (the library's :class:`~opacus_spectral.audit.GradientCanaries` on a BandMF run, here
@@ -31,6 +32,7 @@ from opacus_spectral.audit import GradientCanaries, audit_scores, gaussian_dp_ep
 from opacus_spectral.audit.cyclic import whitened_scores
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
 from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients
+from opacus_spectral.mechanisms.base import Accounting
 from opacus_spectral.step.attachment import BEFORE_NOISE, CANARIES, attachment
 from torch import nn
 
@@ -93,12 +95,20 @@ class CyclicGradientCanaries(GradientCanaries):
         return torch.stack(self._clean)
 
 
+class MisaccountedBandMF(BandMFMechanism):
+    """The broken arm, on purpose: coefficients κ × the optimal ones, charged as if κ were 1 (the library charges
+    σ/κ for coefficients it is given; this override drops the κ)."""
+
+    def accounting(self, noise_multiplier: float, sample_rate: float) -> Accounting:
+        return Accounting(float(noise_multiplier), float(self.bands * sample_rate), self.bands)
+
+
 def _mechanism(bands: int, kappa: float, steps: int) -> Any:
-    """The arm's ``noise_mechanism``: by name when correct, else a BandMF object with κ × the optimal coefficients
-    (the mechanism uses given coefficients as they are)."""
+    """The arm's ``noise_mechanism``: by name when correct, else :class:`MisaccountedBandMF` with κ × the optimal
+    coefficients."""
     if kappa == 1.0:
         return ("bandmf", {"bands": bands})
-    return BandMFMechanism(bands=bands, coefficients=[kappa * c for c in optimal_coefficients(steps, bands)])
+    return MisaccountedBandMF(bands=bands, coefficients=[kappa * c for c in optimal_coefficients(steps, bands)])
 
 
 def bandmf_run(cfg: Any, data: torch.utils.data.TensorDataset, arm: str, seed: int) -> dict[str, Any]:

@@ -154,6 +154,7 @@ class DPTrainer(Trainer):
         self.sample_rate: float | None = None
         self.budget_steps: int | None = None  #: DP steps (total) within target_epsilon; None: the whole run fits
         self.accounted_every = 1  #: the noise mechanism charges one accountant step every this many DP steps
+        self.accounted_scale = 1.0  #: ... at noise multiplier σ × this (BandMF: 1/κ)
         self.controller: Any = None  #: the alternation controller a plugin attached for this run, if any
         self._logical_loader: DataLoader | None = None
         self._dp: DPOptimizer | None = None
@@ -228,19 +229,22 @@ class DPTrainer(Trainer):
         check_trainable_dtypes(optimizer)
         size, steps = len(self._logical_loader.dataset), self.state.max_steps
         accounting = accounting_of(self.args.noise_mechanism, self.sample_rate, steps=steps, dataset_size=size)
-        self.accounted_every = accounting.every
+        self.accounted_every, self.accounted_scale = accounting.every, accounting.noise_multiplier
         noise_multiplier = self.noise_multiplier
         if noise_multiplier is None:
             check_run_length(self.state.max_steps, self.args.num_train_epochs)  # steps=0 would never return
             prior = trainer_prior(self.privacy_engine, self.model, self.args.new_privacy_unit, self._resume)
-            noise_multiplier = noise_multiplier_after(
-                prior,
-                target_epsilon=self.args.target_epsilon,
-                target_delta=self.args.target_delta,
-                sample_rate=accounting.sample_rate,
-                steps=accounted(self.state.max_steps, accounting.every),
-                accountant=self.privacy_engine.accountant.mechanism(),
-            )
+            noise_multiplier = (
+                noise_multiplier_after(
+                    prior,
+                    target_epsilon=self.args.target_epsilon,
+                    target_delta=self.args.target_delta,
+                    sample_rate=accounting.sample_rate,
+                    steps=accounted(self.state.max_steps, accounting.every),
+                    accountant=self.privacy_engine.accountant.mechanism(),
+                )
+                / accounting.noise_multiplier
+            )  # the σ whose charged σ′ = σ·(σ′ at 1) meets the target
         criterion = self.criterion or trainer_loss.ghost_criterion(self.label_smoother)  # smoothed per example
         extra: dict[str, Any] = {"criterion": criterion} if self._ghost else {}
         if self._mechanism is not None:  # its coefficients are optimized for the run's length
@@ -293,7 +297,7 @@ class DPTrainer(Trainer):
             self.privacy_engine.accountant,
             max_steps=accounted(self.state.max_steps, accounting.every) + self.prior_steps,
             target_epsilon=self.args.target_epsilon,
-            noise_multiplier=self.noise_multiplier,
+            noise_multiplier=self.noise_multiplier * accounting.noise_multiplier,
             sample_rate=accounting.sample_rate,
             delta=self.args.target_delta,
         )
@@ -548,7 +552,9 @@ class DPTrainer(Trainer):
         """Restore the accountant and denoiser state of a checkpoint, refusing one of another DP set-up or one
         that disagrees with the Trainer's step counters or the loaded weights (:mod:`~opacus_spectral.hf.state`)."""
         step = self.state.global_step
-        check_resume(evidence, self._dp_config(), global_step=step, every=self.accounted_every)
+        check_resume(
+            evidence, self._dp_config(), global_step=step, every=self.accounted_every, scale=self.accounted_scale
+        )
         check_parameters(evidence, parameters_digest(self.model, self._dp.original_optimizer))
         run = self.privacy_engine.mechanism_run
         if run is not None:  # the same partition, the group cycle continued, a fresh noise stream

@@ -135,9 +135,11 @@ def read_checkpoint(directory: str) -> ResumeEvidence:
     )
 
 
-def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_step: int, every: int = 1) -> None:
+def check_resume(
+    evidence: ResumeEvidence, config: dict[str, Any], *, global_step: int, every: int = 1, scale: float = 1.0
+) -> None:
     """Refuse (``ValueError`` naming the mismatch) DP state that disagrees with ``config`` or the step counters;
-    ``every``: the noise mechanism charges one accountant step every ``every`` DP steps."""
+    ``every``: the noise mechanism charges one accountant step every ``every`` DP steps, at σ × ``scale``."""
     saved = evidence.dp["config"]
     differ = [f"{k}: checkpoint {saved.get(k)!r}, now {config[k]!r}" for k in COMPARED if saved.get(k) != config[k]]
     if differ:
@@ -156,7 +158,7 @@ def check_resume(evidence: ResumeEvidence, config: dict[str, Any], *, global_ste
     step = steps["the DP state"]
     verify_accountant_history(
         _own_history(evidence.dp, where),
-        noise_multiplier=config["noise_multiplier"],
+        noise_multiplier=config["noise_multiplier"] * scale,
         sample_rate=config["sample_rate"],
         steps=-(-step // every),
         where=where,

@@ -2,9 +2,10 @@
 exact amplified accounting (``docs/mechanisms.md``; the mathematics: :mod:`.bandmf_math`, the stream: :mod:`.stream`).
 
 With the records split once into b fixed groups and step t Poisson-sampling group t mod b at rate p = b·B/N, a run
-of T steps has exactly the privacy of DP-SGD with the same noise multiplier (κ = 1), ⌈T/b⌉ steps and rate p
-(Choquette-Choo et al., arXiv 2306.08153, Thm 1 and 4–5): :class:`~.base.Accounting` ``(σ, p, every=b)``. b = 1 is
-DP-SGD, bit for bit with the same ``noise_seed``. Refused: b > T, or p = b·B/N > 1.
+of T steps has exactly the privacy of DP-SGD with noise multiplier σ/κ (κ: M's largest column norm, 1 for the
+optimized coefficients), ⌈T/b⌉ steps and rate p (Choquette-Choo et al., arXiv 2306.08153, Thm 1 and 4–5):
+:class:`~.base.Accounting` ``(σ/κ, p, every=b)``. b = 1 is DP-SGD, bit for bit with the same ``noise_seed``. Refused:
+b > T, p = b·B/N > 1, coefficients that are not finite or have c_0 <= 0.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class BandMFMechanism(NoiseMechanism):
         if self._given is not None and len(self._given) != bands:
             raise ValueError(f"bandmf: {len(self._given)} coefficients for {bands} bands")
         self.coefficients: tuple[float, ...] | None = None
+        #: M's largest column norm ‖c‖₂: the given coefficients', else 1 (the optimized ones are normalized)
+        self.kappa = 1.0 if self._given is None else _kappa(self._given)
         self.steps: int | None = None
         self._stream: BandStream | None = None
         self._row_norms: torch.Tensor | None = None
@@ -64,15 +67,15 @@ class BandMFMechanism(NoiseMechanism):
             )
         self.steps = int(steps)
         coefs = self._given or optimal_coefficients(self.steps, self.bands, **workload)
-        kappa = math.sqrt(sum(c * c for c in coefs))
-        if self._given is None and not math.isclose(kappa, 1.0, rel_tol=1e-12):
-            raise AssertionError(f"bandmf: coefficients not normalized (kappa {kappa})")
+        if self._given is None and _kappa(coefs) != 1.0:
+            raise AssertionError(f"bandmf: coefficients not normalized (kappa {_kappa(coefs)})")
         self.coefficients = tuple(coefs)
         self._stream = BandStream(self.coefficients)
         self._row_norms = inverse_matrix(self.coefficients, self.steps).norm(dim=1)
 
     def accounting(self, noise_multiplier: float, sample_rate: float) -> Accounting:
-        return Accounting(float(noise_multiplier), float(self.bands * sample_rate), self.bands)
+        """DP-SGD with σ/κ, rate b·q, one step every b (κ = 1 for the optimized coefficients)."""
+        return Accounting(float(noise_multiplier) / self.kappa, float(self.bands * sample_rate), self.bands)
 
     def noise(self, key: Hashable, z: torch.Tensor) -> torch.Tensor:
         if self._stream is None:
@@ -100,3 +103,13 @@ class BandMFMechanism(NoiseMechanism):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "bands": self.bands, "steps": self.steps}
+
+
+def _kappa(coefficients: Sequence[float]) -> float:
+    """κ, the largest column norm of the b-banded Toeplitz M: ‖c‖₂ (a column cut by the end of the run is a prefix
+    of c). Within 1e-12 of 1 it is 1 (the float64 rounding of a normalization). Refused: a coefficient that is not
+    finite, or c_0 <= 0 (M would not be invertible by the stream)."""
+    if not all(math.isfinite(c) for c in coefficients) or coefficients[0] <= 0:
+        raise ValueError(f"bandmf: the coefficients must be finite with c_0 > 0, got {tuple(coefficients)}")
+    kappa = math.sqrt(math.fsum(c * c for c in coefficients))
+    return 1.0 if math.isclose(kappa, 1.0, rel_tol=1e-12, abs_tol=0.0) else kappa

@@ -1,30 +1,50 @@
 """Cyclic Poisson sampling, the sampler of banded MF (``docs/mechanisms.md``; arXiv 2306.08153, Thm 4–5).
 
-The records are split once into b groups of (nearly) equal size by a permutation drawn from a partition seed; step t
-Poisson-samples group t mod b at rate p = b·B/N, so a step's expected batch is B. The partition is kept for the whole
-run (the seed is saved with the DP state, so a resumed run and every DDP rank use the same groups), while the
-per-step draws stay fresh (the sampler generator). The assignment need not be secret: the analysis bounds every
-record's privacy whatever group it is in (each record takes part only at the steps of its group, b apart); it must not
-depend on the data, which a permutation from a seed does not.
+The records are split once into b groups, each record's group drawn independently and uniformly from a partition
+seed (record i's group depends on the seed and i only, not on the number of records); step t Poisson-samples group
+t mod b at rate p = b·B/N, so a step's expected batch is B. The partition is kept for the whole run (the seed is saved
+with the DP state, so a resumed run and every DDP rank use the same groups), while the per-step draws stay fresh (the
+sampler generator). Adjacency: the ε holds for adding or removing a record (Opacus') while the assignment is unknown
+to the adversary, as a Poisson sample is — the seed is drawn from OS entropy unless ``noise_seed`` derives it, and it
+is in the checkpoints, which are therefore as private as the data; with the assignment known it holds for zero-out
+adjacency (a record replaced by one that adds nothing). Independent groups are what add/remove needs: a permutation
+of N dealt into equal groups would regroup every other record when one is added (jax_privacy's ``EQUAL_SPLIT`` is
+for zero-out and replace-one adjacency only, its ``INDEPENDENT`` for add/remove).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["CyclicPoissonSampler", "partition"]
+__all__ = ["CyclicPoissonSampler", "group_labels", "partition"]
+
+#: records whose groups one generator draws: record i's group is draw i mod CHUNK of generator ⌊i / CHUNK⌋
+CHUNK = 1 << 16
+
+
+def group_labels(num_samples: int, groups: int, seed: int) -> torch.Tensor:
+    """Each record's group, i.i.d. uniform on {0, …, b − 1}; record i's depends on (``seed``, i) only."""
+    labels = []
+    for start in range(0, num_samples, CHUNK):
+        tag = f"{int(seed)}/cyclic-groups/{start // CHUNK}".encode()
+        chunk_seed = int.from_bytes(hashlib.blake2b(tag, digest_size=8).digest(), "big") >> 1
+        draw = torch.randint(groups, (CHUNK,), generator=torch.Generator().manual_seed(chunk_seed))
+        labels.append(draw[: min(CHUNK, num_samples - start)])
+    return torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
 
 
 def partition(num_samples: int, groups: int, seed: int) -> list[torch.Tensor]:
-    """The b groups of record indices, each in ascending order: a permutation from ``seed`` dealt round-robin (sizes
-    differ by ≤ 1). One group is every record in order, so that b = 1 draws exactly Opacus' Poisson sample."""
+    """The b groups of record indices, each in ascending order (:func:`group_labels`; their sizes are binomial). One
+    group is every record in order, so that b = 1 draws exactly Opacus' Poisson sample."""
     if groups == 1:
         return [torch.arange(num_samples)]
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(int(seed)))
-    return [order[g::groups].sort().values for g in range(groups)]
+    labels = group_labels(num_samples, groups, seed)
+    order = torch.argsort(labels, stable=True)  # ascending indices within each group
+    return list(torch.split(order, torch.bincount(labels, minlength=groups).tolist()))
 
 
 class CyclicPoissonSampler(Sampler[list[int]]):

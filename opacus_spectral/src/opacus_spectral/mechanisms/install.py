@@ -11,7 +11,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+)
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.utils.data import DataLoader
 
@@ -85,6 +90,7 @@ def accountant_hook(
     state = {"step": 0}
 
     def hook(optim: DPOptimizer) -> None:
+        check_countable(optim, loader, mechanism.name)
         if int(optim.accumulated_iterations) != 1:
             raise ValueError(
                 f"noise_mechanism={mechanism.name!r} samples one group per step: gradient accumulation over "
@@ -92,11 +98,18 @@ def accountant_hook(
                 "for smaller physical batches instead)"
             )
         check_in_step(loader, state["step"])
-        acc = mechanism.accounting(float(optim.noise_multiplier), 1 / _loader_len(optim))
+        sigma, q = float(optim.noise_multiplier), 1 / _loader_len(optim)
+        acc = mechanism.accounting(sigma, q)
         if not isinstance(acc, Accounting):  # the one form the library computes exactly: never a free-form ε
             raise TypeError(f"noise mechanism {mechanism.name!r} declared accounting {acc!r}, not an Accounting")
+        unit = mechanism.accounting(1.0, q).noise_multiplier
+        if not math.isclose(acc.noise_multiplier, sigma * unit, rel_tol=1e-9, abs_tol=1e-12):
+            raise TypeError(  # σ is calibrated by σ′ = σ × (σ′ at σ = 1): make_private_with_epsilon, DPTrainer
+                f"noise mechanism {mechanism.name!r} charges σ′ = {acc.noise_multiplier} at σ = {sigma} but "
+                f"{unit} at σ = 1: an accounting's noise multiplier must be proportional to σ"
+            )
         if acc.every > 1:
-            _check_constant_sigma(state, acc.noise_multiplier, mechanism.name)
+            _check_constant(state, acc.noise_multiplier, float(optim.max_grad_norm), mechanism.name)
         charged = acc.charge(state["step"])
         state["step"] += 1
         if charged:
@@ -108,15 +121,31 @@ def accountant_hook(
     return hook
 
 
-def _check_constant_sigma(state: dict[str, Any], sigma: float, name: str) -> None:
-    """A mechanism charged every k > 1 steps is accounted with one σ for the k steps of each charge: a σ that changes
-    during the run (a noise scheduler, an edit) would leave steps uncharged at their σ. (A resume with another σ is
+def _check_constant(state: dict[str, Any], sigma: float, clip: float, name: str) -> None:
+    """A mechanism charged every k > 1 steps is accounted with one σ and one clipping bound C for the k steps of each
+    charge: a σ or C that changes during the run (a noise or clipping scheduler, an edit) would leave steps uncharged
+    at their own (the band mixes noise scaled for one C with signal clipped to another). (A resume with another σ is
     refused by ``load_checkpoint``, against the accountant's history.)"""
-    first = state.setdefault("noise_multiplier", sigma)
-    if sigma != first:
+    first = state.setdefault("noise_multiplier", sigma), state.setdefault("max_grad_norm", clip)
+    if (sigma, clip) != first:
         raise ValueError(
-            f"noise_mechanism={name!r} is accounted with one noise multiplier for the whole run ({first}), but step "
-            f"{state['step'] + 1} uses {sigma}: a changing σ (a noise scheduler, say) is not covered by its accounting"
+            f"noise_mechanism={name!r} is accounted with one noise multiplier and one clipping bound for the whole "
+            f"run ({first[0]}, {first[1]}), but step {state['step'] + 1} uses ({sigma}, {clip}): a changing σ or C "
+            "(a noise or clipping scheduler, say) is not covered by its accounting"
+        )
+
+
+def check_countable(optim: Any, loader: Any, name: str) -> None:
+    """Ghost clipping reports one accumulated iteration whatever the loop did, so with a cyclic loader's batches
+    fetched by worker processes (where :func:`check_in_step` cannot count them) two batches trained as one step would
+    go unseen: refused."""
+    sampler = getattr(loader, "batch_sampler", None)
+    cyclic = isinstance(sampler, CyclicPoissonSampler) and sampler.groups > 1
+    if cyclic and loader.num_workers > 0 and isinstance(optim, DPOptimizerFastGradientClipping):
+        raise ValueError(
+            f"noise_mechanism={name!r} with grad_sample_mode='ghost' needs the loader's num_workers=0: ghost clipping "
+            "cannot tell one loader batch per step from several, and with worker processes the engine cannot count "
+            "the batches drawn (use num_workers=0, grad_sample_mode='hooks', or DPTrainer)"
         )
 
 
@@ -141,13 +170,32 @@ def _loader_len(optim: DPOptimizer) -> float:
     return getattr(optim, MECHANISM_ATTR + "_steps_per_epoch")
 
 
+#: the optimizers whose ``add_noise`` the mechanism replaces (flat or per-layer clipping, hooks or ghost, DDP): their
+#: own adds i.i.d. N(0, (σC)²) to each summed gradient, on rank 0 alone under DDP, and nothing else
+DISTRIBUTED = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping)
+REPLACEABLE = (DPOptimizer, DPOptimizerFastGradientClipping, *DISTRIBUTED)
+
+
+def check_replaceable(optimizer: Any, name: str) -> None:
+    """Refuse an optimizer whose ``add_noise`` does more than Opacus' i.i.d. draw: AdaClip's noises the count of
+    unclipped records that moves C (dropped, C would follow the exact count, and change within a band); FSDP's and
+    ``DistributedPerLayerOptimizer``'s shard or split the noise their own way."""
+    if not any(type(optimizer).add_noise is cls.add_noise for cls in REPLACEABLE):
+        raise ValueError(
+            f"noise_mechanism={name!r} replaces the optimizer's add_noise, but {type(optimizer).__name__} adds noise "
+            "its own way (adaptive clipping noises the unclipped count; FSDP and DistributedPerLayerOptimizer shard "
+            "it): use flat or per_layer clipping with grad_sample_mode 'hooks' or 'ghost', or the gaussian mechanism"
+        )
+
+
 def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_epoch: int) -> None:
     """Replace the optimizer's ``add_noise`` by Opacus' own, with each tensor's i.i.d. draw passed through the
     mechanism; the stream advances for every parameter the optimizer holds, frozen ones included (their draw is
-    discarded). Under DDP only rank 0 adds noise, as Opacus' distributed optimizer does."""
+    discarded). Under DDP (hooks or ghost) only rank 0 adds noise, as Opacus' distributed optimizers do."""
+    check_replaceable(optimizer, mechanism.name)
     setattr(optimizer, MECHANISM_ATTR, mechanism)
     setattr(optimizer, MECHANISM_ATTR + "_steps_per_epoch", steps_per_epoch)
-    distributed = isinstance(optimizer, DistributedDPOptimizer)
+    distributed = isinstance(optimizer, DISTRIBUTED)
 
     def add_noise() -> None:
         if distributed and optimizer.rank != 0:  # rank 0 adds the noise; every rank keeps the same step and std

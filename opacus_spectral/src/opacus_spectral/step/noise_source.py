@@ -55,8 +55,8 @@ class NoiseSource:
         return torch.Generator(device=device).manual_seed(self._next_seed("noise", 0))
 
     def partition_seed(self) -> int:
-        """The seed of a cyclic-Poisson partition (``docs/mechanisms.md``): public, saved with the DP state, and the
-        same on every DDP rank (rank 0's stream)."""
+        """The seed of a cyclic-Poisson partition (``docs/mechanisms.md``): as secret as the sampler's (the ε holds for
+        add/remove adjacency while the groups are unknown), saved with the DP state, the same on every DDP rank."""
         return self._next_seed("partition", 0)
 
     def sampler_generator(self, rank: int = 0) -> torch.Generator:
