@@ -113,18 +113,23 @@ def _keywords_of(fn: Callable[..., Any]) -> set[str]:
     return {p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds} - {"self"}
 
 
-def _optimizer_keywords(kwargs: dict[str, Any]) -> set[str]:
-    """The keywords Opacus' ``**kwargs`` carry to the optimizer class ``make_private`` builds (AdaClip's settings)."""
+def _optimizer_class(kwargs: dict[str, Any]) -> type | None:
+    """The DPOptimizer class Opacus' ``make_private`` will build for ``kwargs`` (None for a combination it refuses)."""
     distributed = isinstance(kwargs.get("module"), (DPDDP, DDP, FSDPModule))
     try:
-        cls = get_optimizer_class(
+        return get_optimizer_class(
             clipping=kwargs.get("clipping", "flat"),
             distributed=distributed,
             grad_sample_mode=kwargs.get("grad_sample_mode", "hooks"),
         )
     except ValueError:  # an unknown clipping or mode: Opacus names it
-        return set()
-    return _keywords_of(cls.__init__) - _keywords_of(DPOptimizer.__init__)
+        return None
+
+
+def _optimizer_keywords(kwargs: dict[str, Any]) -> set[str]:
+    """The keywords Opacus' ``**kwargs`` carry to the optimizer class ``make_private`` builds (AdaClip's settings)."""
+    cls = _optimizer_class(kwargs)
+    return set() if cls is None else _keywords_of(cls.__init__) - _keywords_of(DPOptimizer.__init__)
 
 
 def refuse_unknown_keywords(where: str, given: Iterable[str], accepted: set[str]) -> None:
@@ -339,6 +344,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             kwargs["noise_generator"] = self.noise_source.noise_generator(parameter_device(kwargs["optimizer"]))
             self._generators.append((kwargs["noise_generator"], "noise", 0))
         noise = self._create_mechanism(noise_mechanism, steps, epochs, kwargs.get("poisson_sampling", True))
+        if self.mechanism_run is not None:  # before Opacus hooks the model: a retry must find it untouched
+            self.mechanism_run.check_setup(_optimizer_class(kwargs), kwargs.get("data_loader"))
         compose_privacy_record(self, new_privacy_unit=new_privacy_unit, noise=noise, **kwargs)  # ε continues
         out = super().make_private(*args, **kwargs)
         if self.mechanism_run is not None:
@@ -688,7 +695,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         Before anything is loaded, the accountant's history must agree with the run
         (:func:`~opacus_spectral.accounting.checkpoint.verify_accountant_history`): σ with
-        ``optimizer.noise_multiplier`` (or ``noise_multiplier=``; not checked with a ``noise_scheduler``), q with this
+        ``optimizer.noise_multiplier`` (or ``noise_multiplier=``; not checked with a ``noise_scheduler``, except under a
+        mechanism charged once every b > 1 steps, such as BandMF, where it is required), q with this
         engine's last ``make_private`` (or ``sample_rate=``), and its step count with the engine's own count saved
         beside it (every optimizer, SGD included; a file without it is refused) and with the optimizer state's and the
         pipeline's step counters. Otherwise ``ValueError`` naming the mismatch, and nothing is loaded. These checks
@@ -759,7 +767,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         multiplier = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
         q = 1.0 if shuffle else sample_rate if sample_rate is not None else self._sample_rate
-        if (multiplier is None and noise_scheduler is None) or q is None:
+        banded = (
+            q is not None
+            and self.mechanism_run is not None
+            and self.mechanism_run.mechanism.accounting(1.0, q).every > 1
+        )
+        if (multiplier is None and (noise_scheduler is None or banded)) or q is None:
             raise ValueError(
                 "load_checkpoint cannot check the checkpoint's privacy accounting without the run's noise multiplier "
                 "and sample rate: call make_private first and pass its DPOptimizer as optimizer=, or pass "
@@ -776,13 +789,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
             counters.append(optimizer_step_count(checkpoint.get("optimizer_state_dict", {})))
             if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
                 counters.append(pipeline["step"])
-        correlated = self.mechanism_run is not None and self.mechanism_run.mechanism.correlated
         if multiplier is not None and self.mechanism_run is not None:  # the history holds the charged σ′
             multiplier = self.mechanism_run.mechanism.accounting(multiplier, q).noise_multiplier
         steps = verify_accountant_history(
             accountant["history"],
-            # a band spanning the resume is charged once: its σ may not change there, scheduler or not
-            noise_multiplier=None if noise_scheduler is not None and not correlated else multiplier,
+            # one charge for every b steps: the band spanning the resume may not change σ, scheduler or not
+            noise_multiplier=None if noise_scheduler is not None and not banded else multiplier,
             sample_rate=q,
             min_steps=max(counters),
             where=where,

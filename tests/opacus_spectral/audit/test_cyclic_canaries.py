@@ -95,6 +95,19 @@ def test_dp_sgd_canaries_are_unchanged() -> None:
         can.scores("whitened")
 
 
+def test_a_one_band_claim_uses_the_charged_sigma() -> None:
+    """BandMF with one coefficient c_0 = 2 releases z/2 and is charged σ/2: the canaries claim μ = √T·2/σ (not √T/σ),
+    and their ε is the accountant's at that σ′."""
+    module, opt, dl = _private(("bandmf", {"bands": 1, "coefficients": [2.0]}), nm=2.0)
+    can = GradientCanaries(opt, 100, module=module, seed=0)
+    _steps(module, opt, dl, 3, zero_loss=False)
+    assert can.claimed_mu() == pytest.approx(math.sqrt(3), rel=1e-12)
+    module, opt, dl = _private(("bandmf", {"bands": 1}), nm=1.0)
+    plain = GradientCanaries(opt, 100, module=module, seed=0)
+    _steps(module, opt, dl, 3, zero_loss=False)
+    assert can.claimed_epsilon(1e-5) == pytest.approx(plain.claimed_epsilon(1e-5), rel=1e-12)
+
+
 def test_what_the_claim_would_not_cover_is_refused() -> None:
     module, opt, _ = _private(("bandmf", {"bands": 4}), nm=1.0)
     with pytest.raises(ValueError, match="sample_rate=1"):

@@ -5,8 +5,6 @@ scheduler, and ghost clipping with loader workers."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from opacus.optimizers import DPOptimizerFastGradientClipping
@@ -119,12 +117,26 @@ def test_resumes_within_one_band_do_not_replay_the_noise(tmp_path):
     assert float((first[0] - first[1]).abs().max()) > 1e-3
 
 
-def test_adaptive_clipping_is_refused():
+def test_adaptive_clipping_is_refused_before_the_model_is_hooked():
     """AdaClip's add_noise also noises the unclipped count that moves C: replacing it would move C by the exact
-    count, within a band."""
+    count, within a band. Refused before Opacus hooks the model: a retry with flat clipping on it works."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+
+    def private(**kw):
+        return PrivacyEngine(accountant="rdp").make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_mechanism=("bandmf", {"bands": 4}),
+            steps=16,
+            **kw,
+        )
+
     with pytest.raises(ValueError, match="adds noise its own way"):
-        _private(
-            ("bandmf", {"bands": 4}),
+        private(
             clipping="adaptive",
             target_unclipped_quantile=0.5,
             clipbound_learning_rate=0.2,
@@ -132,6 +144,8 @@ def test_adaptive_clipping_is_refused():
             min_clipbound=0.01,
             unclipped_num_std=5.0,
         )
+    gsm, opt, dl = private()
+    _train(gsm, opt, dl, 1)
 
 
 def test_a_clipping_bound_that_changes_during_the_run_is_refused():
@@ -146,26 +160,46 @@ def test_a_clipping_bound_that_changes_during_the_run_is_refused():
 
 def test_a_resume_with_another_sigma_is_refused_also_with_a_noise_scheduler(tmp_path):
     """The band spanning the resume is charged once, at the σ before it: a scheduler argument does not lift the σ
-    check under BandMF."""
+    check under BandMF, and without an optimizer or noise_multiplier= the σ is required."""
     engine, gsm, opt, dl = _private(("bandmf", {"bands": 4}))
     _train(gsm, opt, dl, 6)
     engine.save_checkpoint(path=tmp_path / "ck.pt", module=gsm, optimizer=opt)
     resumed, gsm2, opt2, _ = _private(("bandmf", {"bands": 4}), noise_multiplier=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 1.0)  # any object passed as noise_scheduler
-    with pytest.raises(ValueError, match="would misreport epsilon"):
+    with pytest.raises(ValueError, match="records noise_multiplier 1.0, but the optimizer it is loaded into uses 0.5"):
         resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2, noise_scheduler=scheduler)
+    with pytest.raises(ValueError, match="without the run's noise multiplier"):
+        resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, noise_scheduler=scheduler)
+    resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, noise_multiplier=1.0, noise_scheduler=scheduler)
 
 
-def test_ghost_clipping_with_loader_workers_is_refused():
+def test_ghost_clipping_with_loader_workers_is_refused_before_the_model_is_hooked():
     """Ghost clipping counts one accumulated iteration whatever the loop did, and with workers the engine cannot
-    count the batches drawn: two batches trained as one step would go unseen."""
-    engine, gsm, opt, criterion, dl = _private(
-        ("bandmf", {"bands": 4}), workers=1, grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss()
-    )
+    count the batches drawn: two batches trained as one step would go unseen. Refused in make_private, before
+    Opacus hooks the model, so a retry with num_workers=0 on the same model works."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+
+    def private(workers):
+        return PrivacyEngine(accountant="rdp").make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH, num_workers=workers),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            noise_mechanism=("bandmf", {"bands": 4}),
+            steps=16,
+            grad_sample_mode="ghost",
+            criterion=nn.CrossEntropyLoss(),
+        )
+
+    with pytest.raises(ValueError, match="num_workers=0"):
+        private(1)
+    gsm, opt, criterion, dl = private(0)
     assert isinstance(opt, DPOptimizerFastGradientClipping)
+    before = [p.detach().clone() for p in gsm.parameters()]
     xb, idx = next(iter(dl))
     opt.zero_grad()
     criterion(gsm(xb), Y[idx]).backward()
-    with pytest.raises(ValueError, match="num_workers=0"):
-        opt.step()
-    assert engine.accountant.history == [] and not math.isnan(float(next(gsm.parameters()).sum()))
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))

@@ -288,9 +288,16 @@ class GradientCanaries:
         if self.bands > 1:
             self._check_phase()
             return cyclic_claimed_mu(self.mechanism, self.noise_multipliers)
-        if any(s <= 0 for s in self.noise_multipliers):
+        if any(s <= 0 for s in self._charged()):
             return math.inf
-        return math.sqrt(sum(s**-2 for s in self.noise_multipliers))
+        return math.sqrt(sum(s**-2 for s in self._charged()))
+
+    def _charged(self) -> list[float]:
+        """The σ the accountant was charged at each observed step: the optimizer's, or a one-band mechanism's σ′
+        (BandMF with coefficients (c_0,): σ/c_0)."""
+        if self.mechanism is None:
+            return list(self.noise_multipliers)
+        return [self.mechanism.accounting(s, self.sample_rate).noise_multiplier for s in self.noise_multipliers]
 
     def _check_phase(self) -> None:
         """Every injection was read: the group of step t (t ≡ g mod b) is the same for the injections and the scores."""
@@ -305,7 +312,7 @@ class GradientCanaries:
         exact μ-GDP for ``sample_rate = 1``, Opacus' ``accountant`` at the canary's rate otherwise."""
         if self.bands > 1:
             return gaussian_dp_epsilon(self.claimed_mu(), delta)
-        return canary_epsilon(self.noise_multipliers, self.sample_rate, delta, accountant=accountant)
+        return canary_epsilon(self._charged(), self.sample_rate, delta, accountant=accountant)
 
 
 def _cyclic_setup(opt: DPOptimizer, sample_rate: float, groups: str) -> tuple[Any, int]:

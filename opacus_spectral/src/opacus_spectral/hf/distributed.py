@@ -202,7 +202,8 @@ def run_setup(trainer: Any, dataset: Any) -> dict[str, Any]:
 
 def mechanism_setup(run: Any) -> dict[str, Any]:
     """What every rank must share once ``make_private`` built a noise mechanism's sampler (and a resume restored
-    it): the partition seed (public, ``docs/mechanisms.md``) and the sampler's step in the group cycle."""
+    it): the partition seed (as secret as the sampler's, ``docs/mechanisms.md``) and the sampler's step in the group
+    cycle."""
     return {"partition seed": run.partition_seed, "sampler step": run.loader.batch_sampler.step}
 
 

@@ -138,15 +138,20 @@ def _check_constant(state: dict[str, Any], sigma: float, clip: float, name: str)
 def check_countable(optim: Any, loader: Any, name: str) -> None:
     """Ghost clipping reports one accumulated iteration whatever the loop did, so with a cyclic loader's batches
     fetched by worker processes (where :func:`check_in_step` cannot count them) two batches trained as one step would
-    go unseen: refused."""
+    go unseen: refused (``optim``: the optimizer or its class)."""
     sampler = getattr(loader, "batch_sampler", None)
     cyclic = isinstance(sampler, CyclicPoissonSampler) and sampler.groups > 1
-    if cyclic and loader.num_workers > 0 and isinstance(optim, DPOptimizerFastGradientClipping):
-        raise ValueError(
-            f"noise_mechanism={name!r} with grad_sample_mode='ghost' needs the loader's num_workers=0: ghost clipping "
-            "cannot tell one loader batch per step from several, and with worker processes the engine cannot count "
-            "the batches drawn (use num_workers=0, grad_sample_mode='hooks', or DPTrainer)"
-        )
+    cls = optim if isinstance(optim, type) else type(optim)
+    if cyclic and loader.num_workers > 0 and issubclass(cls, DPOptimizerFastGradientClipping):
+        raise ghost_workers_error(name)
+
+
+def ghost_workers_error(name: str) -> ValueError:
+    return ValueError(
+        f"noise_mechanism={name!r} with grad_sample_mode='ghost' needs the loader's num_workers=0: ghost clipping "
+        "cannot tell one loader batch per step from several, and with worker processes the engine cannot count "
+        "the batches drawn (use num_workers=0, grad_sample_mode='hooks', or DPTrainer)"
+    )
 
 
 def check_in_step(loader: Any, step: int) -> None:
@@ -176,13 +181,13 @@ DISTRIBUTED = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClippin
 REPLACEABLE = (DPOptimizer, DPOptimizerFastGradientClipping, *DISTRIBUTED)
 
 
-def check_replaceable(optimizer: Any, name: str) -> None:
+def check_replaceable(cls: type, name: str) -> None:
     """Refuse an optimizer whose ``add_noise`` does more than Opacus' i.i.d. draw: AdaClip's noises the count of
     unclipped records that moves C (dropped, C would follow the exact count, and change within a band); FSDP's and
     ``DistributedPerLayerOptimizer``'s shard or split the noise their own way."""
-    if not any(type(optimizer).add_noise is cls.add_noise for cls in REPLACEABLE):
+    if not any(cls.add_noise is ok.add_noise for ok in REPLACEABLE):
         raise ValueError(
-            f"noise_mechanism={name!r} replaces the optimizer's add_noise, but {type(optimizer).__name__} adds noise "
+            f"noise_mechanism={name!r} replaces the optimizer's add_noise, but {cls.__name__} adds noise "
             "its own way (adaptive clipping noises the unclipped count; FSDP and DistributedPerLayerOptimizer shard "
             "it): use flat or per_layer clipping with grad_sample_mode 'hooks' or 'ghost', or the gaussian mechanism"
         )
@@ -192,7 +197,7 @@ def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_e
     """Replace the optimizer's ``add_noise`` by Opacus' own, with each tensor's i.i.d. draw passed through the
     mechanism; the stream advances for every parameter the optimizer holds, frozen ones included (their draw is
     discarded). Under DDP (hooks or ghost) only rank 0 adds noise, as Opacus' distributed optimizers do."""
-    check_replaceable(optimizer, mechanism.name)
+    check_replaceable(type(optimizer), mechanism.name)
     setattr(optimizer, MECHANISM_ATTR, mechanism)
     setattr(optimizer, MECHANISM_ATTR + "_steps_per_epoch", steps_per_epoch)
     distributed = isinstance(optimizer, DISTRIBUTED)
@@ -312,6 +317,18 @@ class MechanismRun:
             return self.loader
         self.loader = dp_loader
         return dp_loader
+
+    def check_setup(self, optimizer_class: type | None, data_loader: Any) -> None:
+        """Before ``make_private`` builds anything: the optimizer class it will build (None: Opacus refuses the
+        combination itself) must be one whose noise the mechanism can replace; ghost clipping needs ``num_workers=0``
+        under a cyclic sampler with b > 1 (:func:`check_countable`)."""
+        if optimizer_class is None:
+            return
+        check_replaceable(optimizer_class, self.mechanism.name)
+        workers = getattr(data_loader, "num_workers", 0)
+        cyclic = self.mechanism.sampler == "cyclic_poisson" and self.mechanism.sample_rate_factor > 1
+        if cyclic and workers > 0 and issubclass(optimizer_class, DPOptimizerFastGradientClipping):
+            raise ghost_workers_error(self.mechanism.name)
 
     def accountant_hook(self, accountant: Any, count: Callable[[int], None]) -> Callable:
         self.hook = accountant_hook(accountant, self.mechanism, count, self.loader)
