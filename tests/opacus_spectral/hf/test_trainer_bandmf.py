@@ -138,6 +138,26 @@ def test_a_bad_noise_mechanism_is_refused_when_the_arguments_are_built(tmp_path,
         quiet_cpu_args(tmp_path, noise_multiplier=1.0, noise_mechanism=given)
 
 
+@pytest.mark.parametrize(
+    ("hub", "refused"),
+    [
+        ({"hub_strategy": "checkpoint"}, True),
+        ({"hub_strategy": "all_checkpoints"}, True),
+        ({"hub_strategy": "every_save"}, False),
+        ({"hub_strategy": "checkpoint", "hub_private_repo": True}, False),
+    ],
+)
+def test_pushing_checkpoints_with_the_partition_seed_to_a_public_hub_repository_is_refused(tmp_path, hub, refused):
+    """The checkpoints' DP state holds the partition seed: published, the ε holds for zero-out adjacency only."""
+    kw = dict(noise_multiplier=1.0, noise_mechanism={"name": "bandmf", "bands": 4}, push_to_hub=True, **hub)
+    if refused:
+        with pytest.raises(ValueError, match="partition seed"):
+            quiet_cpu_args(tmp_path, **kw)
+    else:
+        quiet_cpu_args(tmp_path, **kw)
+    quiet_cpu_args(tmp_path, **{**kw, "noise_mechanism": {"name": "bandmf", "bands": 1}})  # b = 1: one group
+
+
 def test_make_private_kwargs_may_not_choose_the_mechanism(tmp_path):
     with pytest.raises(ValueError, match=r"make_private_kwargs may not set \['noise_mechanism', 'steps'\]"):
         quiet_cpu_args(tmp_path, noise_multiplier=1.0, make_private_kwargs={"noise_mechanism": "bandmf", "steps": 4})

@@ -22,8 +22,9 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..denoisers.base import denoiser_name
+from ..plugins.registry import get_registry
 from .loss import TASKS
-from .mechanism import check_mechanism, read_mechanism
+from .mechanism import check_mechanism, mechanism_spec, read_mechanism
 
 __all__ = ["MODES", "REDACTED_NOISE_SEED", "SETTINGS", "DPTrainingArguments", "check_dp_settings"]
 
@@ -237,7 +238,26 @@ def check_dp_settings(a: "DPTrainingArguments") -> None:
             )
     _check_noise_settings(a)
     check_mechanism(a.noise_mechanism)
+    _check_hub_checkpoints(a)
     _check_make_private_kwargs(a.make_private_kwargs)
+
+
+def _check_hub_checkpoints(a: "DPTrainingArguments") -> None:
+    """A cyclic-Poisson mechanism's partition seed is in every checkpoint's DP state (a resume needs it); pushing
+    checkpoints to a public repository would publish it, and its ε then holds for zero-out adjacency only
+    (``docs/mechanisms.md``, "Adjacency")."""
+    spec = mechanism_spec(a.noise_mechanism)
+    if spec is None or not a.push_to_hub or a.hub_private_repo:
+        return
+    strategy = str(getattr(a.hub_strategy, "value", a.hub_strategy))
+    mechanism = get_registry().create_mechanism(spec)
+    if strategy in ("checkpoint", "all_checkpoints") and mechanism.sample_rate_factor > 1:
+        raise ValueError(
+            f"push_to_hub with hub_strategy={strategy!r} uploads the checkpoints, whose DP state holds the "
+            f"{mechanism.name} partition seed: with the record-to-group assignment public the ε holds for zero-out "
+            "adjacency only. Use hub_strategy='end' or 'every_save' (the model, not the checkpoints), or "
+            "hub_private_repo=True"
+        )
 
 
 def _check_noise_settings(a: "DPTrainingArguments") -> None:
