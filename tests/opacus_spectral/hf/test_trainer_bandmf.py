@@ -22,7 +22,7 @@ from opacus.accountants import RDPAccountant
 from opacus_spectral.errors import ReproducibleNoiseWarning
 from opacus_spectral.hf import DPTrainer, DPTrainingArguments
 from opacus_spectral.hf.state import DP_STATE_FILE
-from opacus_spectral.mechanisms.cyclic import partition
+from opacus_spectral.mechanisms.cyclic import partition, partition_digest
 from peft import LoraConfig, get_peft_model
 from repo_support import subprocess_env
 from text_support import synthetic_text_task, tiny_bert
@@ -260,7 +260,15 @@ def test_a_resumed_run_keeps_the_partition_and_cycle_and_ends_at_the_same_epsilo
     checkpoint = out / "checkpoint-3"
     state = torch.load(checkpoint / DP_STATE_FILE, weights_only=True)
     seed = full.privacy_engine.mechanism_run.partition_seed
-    assert state["noise_mechanism"] == {"name": "bandmf", "bands": 4, "steps": 7, "partition_seed": seed, "step": 3}
+    digest = partition_digest(full.privacy_engine.mechanism_run.loader.batch_sampler.parts)
+    assert state["noise_mechanism"] == {
+        "name": "bandmf",
+        "bands": 4,
+        "steps": 7,
+        "partition_seed": seed,
+        "partition_digest": digest,
+        "step": 3,
+    }
     assert state["config"]["noise_mechanism"] == {"name": "bandmf", "bands": 4, "steps": 7}
     shapes = {tuple(p.shape) for p in full.model.parameters() if p.requires_grad}
 

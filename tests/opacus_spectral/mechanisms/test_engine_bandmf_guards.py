@@ -203,3 +203,34 @@ def test_ghost_clipping_with_loader_workers_is_refused_before_the_model_is_hooke
     criterion(gsm(xb), Y[idx]).backward()
     opt.step()
     assert not all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))
+
+
+def test_a_resume_whose_seed_rebuilds_other_groups_is_refused_without_showing_the_seed(tmp_path):
+    """The checkpoint keeps a digest of the groups: a resume on a dataset of another size (or a torch whose generator
+    draws differently) rebuilds other groups from the same seed, and is refused; no error message shows the seed."""
+    engine, gsm, opt, dl = _private(("bandmf", {"bands": 4}), seed=None)
+    _train(gsm, opt, dl, 3)
+    engine.save_checkpoint(path=tmp_path / "ck.pt", module=gsm, optimizer=opt)
+    saved = torch.load(tmp_path / "ck.pt", weights_only=False)["opacus_spectral_noise_mechanism"]
+    seed = str(saved["partition_seed"])
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    other = PrivacyEngine(accountant="rdp")
+    gsm2, opt2, _ = other.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.cat([X, X[:1]]), torch.arange(N + 1)), batch_size=BATCH),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_mechanism=("bandmf", {"bands": 4}),
+        steps=16,
+    )
+    with pytest.raises(ValueError, match="groups rebuilt") as caught:
+        other.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2, sample_rate=1 / 8)
+    assert seed not in str(caught.value)
+    resumed, gsm3, opt3, _ = _private(("bandmf", {"bands": 2}), seed=None)
+    with pytest.raises(ValueError, match="noise mechanism") as caught:
+        resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm3, optimizer=opt3)
+    assert seed not in str(caught.value)
+    resumed, gsm3, opt3, _ = _private(("bandmf", {"bands": 4}), seed=None)
+    resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm3, optimizer=opt3)

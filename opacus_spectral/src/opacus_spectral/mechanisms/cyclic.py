@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["CyclicPoissonSampler", "group_labels", "partition"]
+__all__ = ["CyclicPoissonSampler", "group_labels", "partition", "partition_digest"]
 
 #: records whose groups one generator draws: record i's group is draw i mod CHUNK of generator ⌊i / CHUNK⌋
 CHUNK = 1 << 16
@@ -45,6 +45,15 @@ def partition(num_samples: int, groups: int, seed: int) -> list[torch.Tensor]:
     labels = group_labels(num_samples, groups, seed)
     order = torch.argsort(labels, stable=True)  # ascending indices within each group
     return list(torch.split(order, torch.bincount(labels, minlength=groups).tolist()))
+
+
+def partition_digest(parts: list[torch.Tensor]) -> str:
+    """A digest of the groups (what a resume compares: the same seed must rebuild the same groups)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
 
 
 class CyclicPoissonSampler(Sampler[list[int]]):

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from ..accounting.bounds import charge_log
 from .base import SAMPLERS, Accounting, NoiseMechanism
-from .cyclic import CyclicPoissonSampler
+from .cyclic import CyclicPoissonSampler, partition_digest
 
 __all__ = [
     "MECHANISM_ATTR",
@@ -350,18 +350,23 @@ class MechanismRun:
             )
 
     def state_dict(self) -> dict[str, Any]:
+        """The mechanism's settings, the partition (its seed, secret, and a digest that a resume checks) and the
+        step in the group cycle; never the noise buffers."""
+        sampler = None if self.loader is None else self.loader.batch_sampler
         return {
             **self.mechanism.describe(),
             "partition_seed": self.partition_seed,
+            "partition_digest": partition_digest(sampler.parts) if isinstance(sampler, CyclicPoissonSampler) else None,
             "step": 0 if self.hook is None else int(self.hook.state["step"]),
         }
 
     def load_state_dict(self, state: Any, where: str) -> None:
         """A resumed run: the same mechanism and partition, the group cycle continued, a fresh noise stream."""
         ours = self.mechanism.describe()
-        if not isinstance(state, dict) or {k: state.get(k) for k in ours} != ours:
+        theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else state  # never the secret seed
+        if theirs != ours:
             raise ValueError(
-                f"{where}: the checkpoint was trained with noise mechanism {state!r}, this run uses {ours}"
+                f"{where}: the checkpoint was trained with noise mechanism {theirs!r}, this run uses {ours}"
             )
         self.partition_seed = int(state["partition_seed"])
         sampler = self.loader.batch_sampler
@@ -374,6 +379,12 @@ class MechanismRun:
                 partition_seed=self.partition_seed,
                 generator=sampler.generator,
             )
+            if partition_digest(rebuilt.parts) != state.get("partition_digest"):
+                raise ValueError(
+                    f"{where}: the groups rebuilt from the checkpoint's partition seed are not the ones it trained on "
+                    "(another dataset size, or a torch whose generator draws differently): resuming would put records "
+                    "in other groups, at steps the accounting does not cover"
+                )
             sampler.parts = rebuilt.parts
             sampler.partition_seed = self.partition_seed
             sampler.step = int(state["step"])
