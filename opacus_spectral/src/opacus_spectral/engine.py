@@ -778,11 +778,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "and sample rate: call make_private first and pass its DPOptimizer as optimizer=, or pass "
                 "noise_multiplier= and sample_rate= (the values the run was trained with)"
             )
-        if (checkpoint.get(MECHANISM_KEY) is None) != (self.mechanism_run is None):
+        saved = checkpoint.get(MECHANISM_KEY)
+        if (saved is None) != (self.mechanism_run is None):
+            name = "gaussian" if saved is None else saved.get("name") if isinstance(saved, dict) else "malformed"
             raise ValueError(
-                f"{where}: the checkpoint's noise mechanism ({checkpoint.get(MECHANISM_KEY) or 'gaussian'}) is not "
-                "this run's: call make_private with the same noise_mechanism before load_checkpoint"
+                f"{where}: the checkpoint's noise mechanism ({name!r}) is not this run's: call make_private with the "
+                "same noise_mechanism before load_checkpoint"
             )
+        if self.mechanism_run is not None:  # the same mechanism, and the same groups from the seed
+            self.mechanism_run.check_state(saved, where)
         pipeline = checkpoint.get(CHECKPOINT_KEY)
         counters = [count["charged_steps"]]
         if not shuffle and self.mechanism_run is None:  # these count DP steps, one history step each

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from ..accounting.bounds import charge_log
 from .base import SAMPLERS, Accounting, NoiseMechanism
-from .cyclic import CyclicPoissonSampler, partition_digest
+from .cyclic import CyclicPoissonSampler, partition, partition_digest
 
 __all__ = [
     "MECHANISM_ATTR",
@@ -360,32 +360,34 @@ class MechanismRun:
             "step": 0 if self.hook is None else int(self.hook.state["step"]),
         }
 
-    def load_state_dict(self, state: Any, where: str) -> None:
-        """A resumed run: the same mechanism and partition, the group cycle continued, a fresh noise stream."""
+    def check_state(self, state: Any, where: str) -> None:
+        """Refuse (before anything is loaded) a checkpoint of another mechanism, or one whose partition seed rebuilds
+        other groups on this data (another dataset size, a torch whose generator draws differently): resuming would
+        put records in other groups, at steps the accounting does not cover. No message shows the seed."""
         ours = self.mechanism.describe()
-        theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else state  # never the secret seed
+        theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else state
         if theirs != ours:
             raise ValueError(
                 f"{where}: the checkpoint was trained with noise mechanism {theirs!r}, this run uses {ours}"
             )
-        self.partition_seed = int(state["partition_seed"])
         sampler = self.loader.batch_sampler
         if isinstance(sampler, CyclicPoissonSampler):
-            rebuilt = CyclicPoissonSampler(
-                num_samples=len(self.loader.dataset),
-                groups=sampler.groups,
-                sample_rate=sampler.sample_rate,
-                steps_per_epoch=sampler.steps_per_epoch,
-                partition_seed=self.partition_seed,
-                generator=sampler.generator,
-            )
-            if partition_digest(rebuilt.parts) != state.get("partition_digest"):
+            rebuilt = partition(len(self.loader.dataset), sampler.groups, int(state["partition_seed"]))
+            if partition_digest(rebuilt) != state.get("partition_digest"):
                 raise ValueError(
                     f"{where}: the groups rebuilt from the checkpoint's partition seed are not the ones it trained on "
                     "(another dataset size, or a torch whose generator draws differently): resuming would put records "
                     "in other groups, at steps the accounting does not cover"
                 )
-            sampler.parts = rebuilt.parts
+
+    def load_state_dict(self, state: Any, where: str) -> None:
+        """A resumed run (:meth:`check_state` first): the same mechanism and partition, the group cycle continued, a
+        fresh noise stream."""
+        self.check_state(state, where)
+        self.partition_seed = int(state["partition_seed"])
+        sampler = self.loader.batch_sampler
+        if isinstance(sampler, CyclicPoissonSampler):
+            sampler.parts = partition(len(self.loader.dataset), sampler.groups, self.partition_seed)
             sampler.partition_seed = self.partition_seed
             sampler.step = int(state["step"])
         if self.hook is not None:
