@@ -396,3 +396,19 @@ if __name__ == "__main__":  # the torchrun worker
     target = Path(sys.argv[1])
     result = ddp_run(target / "ddp")
     torch.save(result, target / f"rank{result['rank']}.pt")
+
+
+def test_ranks_that_disagree_name_the_partition_seed_but_never_show_it(monkeypatch):
+    """check_ranks_agree names what differs among the ranks with their values, except the records' fingerprint and
+    the partition seed (a secret: with it the group assignment is public)."""
+    import torch.distributed as dist
+    from opacus_spectral.hf.distributed import check_ranks_agree
+
+    ranks = [{"partition seed": 123456789, "sampler step": 3}, {"partition seed": 987654321, "sampler step": 4}]
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, local: out.__setitem__(slice(None), ranks))
+    with pytest.raises(ValueError, match=r"the partition seed; sampler step \(rank 0: 3, rank 1: 4\)") as caught:
+        check_ranks_agree(ranks[0])
+    assert "123456789" not in str(caught.value) and "987654321" not in str(caught.value)

@@ -209,7 +209,8 @@ def mechanism_setup(run: Any) -> dict[str, Any]:
 
 def check_ranks_agree(local: dict[str, Any]) -> None:
     """Exchange ``local`` (:func:`run_setup`) between the ranks over the process group and raise ``ValueError`` on
-    every rank, naming what differs, unless all ranks hold the same; the fingerprint is never shown."""
+    every rank, naming what differs, unless all ranks hold the same; the fingerprint and the partition seed (a
+    secret, ``docs/mechanisms.md``) are never shown."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -219,10 +220,12 @@ def check_ranks_agree(local: dict[str, Any]) -> None:
     differ = [key for key in local if any(g[key] != gathered[0][key] for g in gathered)]
     if not differ:
         return
+    hidden = {
+        "records": "the records (a hash of their content, in order, differs)",
+        "partition seed": "the partition seed",
+    }
     what = [
-        "the records (a hash of their content, in order, differs)"
-        if key == "records"
-        else f"{key} ({', '.join(f'rank {r}: {g[key]}' for r, g in enumerate(gathered))})"
+        hidden.get(key) or f"{key} ({', '.join(f'rank {r}: {g[key]}' for r, g in enumerate(gathered))})"
         for key in differ
     ]
     raise ValueError(
