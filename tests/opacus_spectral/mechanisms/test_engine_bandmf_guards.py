@@ -20,14 +20,17 @@ X = torch.randn(N, 4, generator=torch.Generator().manual_seed(0))
 Y = torch.randint(0, 2, (N,), generator=torch.Generator().manual_seed(1))
 
 
-def _private(mechanism, *, seed=3, steps=16, noise_multiplier=1.0, workers=0, **kw):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
+def _private(mechanism, *, seed=3, steps=16, noise_multiplier=1.0, workers=0, model=None, data=None, **kw):
+    """A private run; ``model`` (the same object across retries) and ``data`` default to a fresh model and X."""
+    if model is None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
     engine = PrivacyEngine(accountant="rdp", noise_seed=seed)
+    data = TensorDataset(X, torch.arange(N)) if data is None else data
     out = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH, num_workers=workers),
+        data_loader=DataLoader(data, batch_size=BATCH, num_workers=workers),
         noise_multiplier=noise_multiplier,
         max_grad_norm=1.0,
         noise_mechanism=mechanism,
@@ -124,16 +127,7 @@ def test_adaptive_clipping_is_refused_before_the_model_is_hooked():
     model = nn.Linear(4, 2)
 
     def private(**kw):
-        return PrivacyEngine(accountant="rdp").make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            noise_mechanism=("bandmf", {"bands": 4}),
-            steps=16,
-            **kw,
-        )
+        return _private(("bandmf", {"bands": 4}), seed=None, model=model, **kw)[1:]
 
     with pytest.raises(ValueError, match="adds noise its own way"):
         private(
@@ -181,17 +175,9 @@ def test_ghost_clipping_with_loader_workers_is_refused_before_the_model_is_hooke
     model = nn.Linear(4, 2)
 
     def private(workers):
-        return PrivacyEngine(accountant="rdp").make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(X, torch.arange(N)), batch_size=BATCH, num_workers=workers),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            noise_mechanism=("bandmf", {"bands": 4}),
-            steps=16,
-            grad_sample_mode="ghost",
-            criterion=nn.CrossEntropyLoss(),
-        )
+        mechanism = ("bandmf", {"bands": 4})
+        kw = {"grad_sample_mode": "ghost", "criterion": nn.CrossEntropyLoss()}
+        return _private(mechanism, seed=None, workers=workers, model=model, **kw)[1:]
 
     with pytest.raises(ValueError, match="num_workers=0"):
         private(1)
@@ -213,18 +199,8 @@ def test_a_resume_whose_seed_rebuilds_other_groups_is_refused_without_showing_th
     engine.save_checkpoint(path=tmp_path / "ck.pt", module=gsm, optimizer=opt)
     saved = torch.load(tmp_path / "ck.pt", weights_only=False)["opacus_spectral_noise_mechanism"]
     seed = str(saved["partition_seed"])
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    other = PrivacyEngine(accountant="rdp")
-    gsm2, opt2, _ = other.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(torch.cat([X, X[:1]]), torch.arange(N + 1)), batch_size=BATCH),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        noise_mechanism=("bandmf", {"bands": 4}),
-        steps=16,
-    )
+    longer = TensorDataset(torch.cat([X, X[:1]]), torch.arange(N + 1))
+    other, gsm2, opt2, _ = _private(("bandmf", {"bands": 4}), seed=None, data=longer)
     with pytest.raises(ValueError, match="groups rebuilt") as caught:
         other.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2, sample_rate=1 / 8)
     assert seed not in str(caught.value) and other.accountant.history == []  # refused before anything is loaded

@@ -90,7 +90,6 @@ def accountant_hook(
     state = {"step": 0}
 
     def hook(optim: DPOptimizer) -> None:
-        check_countable(optim, loader, mechanism.name)
         if int(optim.accumulated_iterations) != 1:
             raise ValueError(
                 f"noise_mechanism={mechanism.name!r} samples one group per step: gradient accumulation over "
@@ -135,18 +134,10 @@ def _check_constant(state: dict[str, Any], sigma: float, clip: float, name: str)
         )
 
 
-def check_countable(optim: Any, loader: Any, name: str) -> None:
-    """Ghost clipping reports one accumulated iteration whatever the loop did, so with a cyclic loader's batches
-    fetched by worker processes (where :func:`check_in_step` cannot count them) two batches trained as one step would
-    go unseen: refused (``optim``: the optimizer or its class)."""
-    sampler = getattr(loader, "batch_sampler", None)
-    cyclic = isinstance(sampler, CyclicPoissonSampler) and sampler.groups > 1
-    cls = optim if isinstance(optim, type) else type(optim)
-    if cyclic and loader.num_workers > 0 and issubclass(cls, DPOptimizerFastGradientClipping):
-        raise ghost_workers_error(name)
-
-
 def ghost_workers_error(name: str) -> ValueError:
+    """Ghost clipping reports one accumulated iteration whatever the loop did, and with a cyclic loader's batches
+    fetched by worker processes :func:`check_in_step` cannot count them: two batches trained as one step would go
+    unseen (refused in ``make_private``, :meth:`MechanismRun.check_setup`)."""
     return ValueError(
         f"noise_mechanism={name!r} with grad_sample_mode='ghost' needs the loader's num_workers=0: ghost clipping "
         "cannot tell one loader batch per step from several, and with worker processes the engine cannot count "
@@ -321,7 +312,7 @@ class MechanismRun:
     def check_setup(self, optimizer_class: type | None, data_loader: Any) -> None:
         """Before ``make_private`` builds anything: the optimizer class it will build (None: Opacus refuses the
         combination itself) must be one whose noise the mechanism can replace; ghost clipping needs ``num_workers=0``
-        under a cyclic sampler with b > 1 (:func:`check_countable`)."""
+        under a cyclic sampler with b > 1 (:func:`ghost_workers_error`)."""
         if optimizer_class is None:
             return
         check_replaceable(optimizer_class, self.mechanism.name)
