@@ -155,6 +155,41 @@ def test_report_computes_the_section_10_metrics() -> None:
     assert "| fast | 30, 20; 0 |" in table and "> run" in table
 
 
+def test_report_keeps_section_10_and_section_12_families_apart() -> None:
+    """§10's Holm family is its denoiser arms only (adding BandMF arms to the grid leaves it unchanged); §12.D's
+    family is each BandMF arm's last-step perplexity, Holm over those two; b is chosen by the best validation score
+    of an arm's learning-rate runs, not by test."""
+    from dp_bench.analysis import holm
+
+    curves = {
+        "none": ([40, 30, 26, 24, 22, 20], [40, 32, 28, 26, 24, 22], [40, 31, 27, 25, 23, 21]),
+        "rmt": ([40, 29, 26, 24, 22, 21], [40, 31, 28, 26, 24, 21], [40, 30, 26, 25, 23, 21]),
+        "bandmf:4": ([40, 29, 25, 23, 21, 19.5], [40, 31, 27, 25, 23, 21.2], [40, 30, 26, 24, 22, 20.4]),
+        "bandmf:16": ([40, 29, 25, 23, 21, 19.0], [40, 31, 27, 25, 23, 21.5], [40, 30, 26, 24, 22, 20.1]),
+    }
+    runs = {
+        f"eval|{m}|adamw|B64|eps5.4|s{s}|lr0.001": fake_run(m, s, ppl)
+        for m, seeds in curves.items()
+        for s, ppl in enumerate(seeds)
+    }
+    only_rmt = {k: r for k, r in runs.items() if "bandmf" not in k}
+    val = {"bandmf:4": {"0.0005": -3.0, "0.001": -2.9}, "bandmf:16": {"0.001": -2.95}}  # bandmf:4's best is best
+    lr_choice = {f"{m}|adamw|B64": {"lr": 0.001, "val": v} for m, v in val.items()}
+    an, alone = lm_report.analyze({"runs": runs, "lr_choice": lr_choice}), lm_report.analyze({"runs": only_rmt})
+    cell, cell_alone = an["cells"]["adamw|B64|eps5.4"], alone["cells"]["adamw|B64|eps5.4"]
+    assert an["family_sizes"] == {"denoisers": 7, "mechanisms": 2, "all": 21} and an["family_size"] == 7
+    for step in ("10", "50"):  # §10's adjusted p does not change when BandMF arms join the grid
+        got, before = cell["rmt"]["perplexity_gain_vs_none"][step], cell_alone["rmt"]["perplexity_gain_vs_none"][step]
+        assert got["p_holm"] == pytest.approx(before["p_holm"]) and got["p_holm_all"] >= got["p_holm"]
+    last = [cell[m]["perplexity_gain_vs_none"]["50"] for m in ("bandmf:4", "bandmf:16")]
+    assert [ci["p_holm"] for ci in last] == pytest.approx(holm([ci["p"] for ci in last]))
+    assert "p_holm" not in cell["bandmf:4"]["perplexity_gain_vs_none"]["10"]  # in the whole family only
+    chosen = an["chosen_mechanism"]["adamw|B64|eps5.4"]
+    assert chosen["method"] == "bandmf:4" and chosen["val_score"] == -2.9 and chosen["step"] == 50
+    assert chosen["gain_vs_none"]["mean"] == pytest.approx((0.5 + 0.8 + 0.6) / 3)
+    assert "| adamw|B64|eps5.4 | bandmf:4 | 18.17 | 50 |" in lm_report.tables({"runs": runs, "analysis": an})
+
+
 def test_epsilon_after_charges_each_run_as_its_mechanism_is() -> None:
     """BandMF's ε after t steps is DP-SGD's with (σ, b·q, ⌈t/b⌉), computed here with Opacus' accountant directly;
     charging a BandMF run as DP-SGD (σ, q, t) would print a smaller ε than the run spent."""

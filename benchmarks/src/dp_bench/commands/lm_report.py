@@ -10,8 +10,11 @@
    mechanism is: DP-SGD's (σ, q, t), BandMF's (σ, b·q, ⌈t/b⌉); never reached: no value, counted), and the ε saved
    against ``none``.
 
-Every paired interval is a 95 % t-interval over seeds with its paired t-test p, Holm-adjusted over the whole
-section's family (all methods, steps and metrics of the grid). Verdicts are CI-based: **reproduced** when the
+Every paired interval is a 95 % t-interval over seeds with its paired t-test p, Holm-adjusted within its family
+(:func:`families`): §10's denoiser arms (all their steps and metrics) form one, §12.D's noise-mechanism arms
+(``bandmf:<b>``, ``cyclic:<b>``: their final-step perplexity) another; every comparison also carries the Holm p over
+all of them (``p_holm_all``), shown beside. §12.D's b is the noise-mechanism arm with the best validation score of
+its learning-rate runs (:func:`chosen_mechanism`). Verdicts are CI-based: **reproduced** when the
 interval excludes 0 in the paper's direction (lower perplexity, fewer steps, ε saved) and does not lie wholly below
 the paper's smallest gain, **contradicted** when it lies wholly against that direction or wholly below the smallest
 gain, **inconclusive** otherwise. The scores stored with the runs are ``-log`` perplexity
@@ -27,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis import fmt_p, holm_family, mean_std, paired_ci, steps_to_reach
-from ..noise_methods import accounting
+from ..analysis import fmt_p, holm, holm_family, mean_std, paired_ci, steps_to_reach
+from ..noise_methods import accounting, bands_of
 from .grid_report import BASELINE, REFERENCES, evaluations
 
 #: paper A's smallest reported gains: 15.6 % fewer steps, 0.17 ε saved (docs/results.md §10, "Metrics")
@@ -151,8 +154,30 @@ def family(an: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], float]]:
     return out
 
 
+def families(comparisons: list[tuple[str, str, dict[str, Any], float]]) -> dict[str, list[dict[str, Any]]]:
+    """The Holm families of :func:`family`'s comparisons: ``denoisers`` (§10: every step and metric of the arms that
+    are not noise mechanisms) and ``mechanisms`` (§12.D: each noise-mechanism arm's perplexity at its cell's last
+    evaluated step). A noise-mechanism arm's other comparisons belong to no family but the whole one."""
+    last: dict[str, int] = defaultdict(int)
+    for cell, metric, _, _ in comparisons:
+        if metric.startswith("perplexity@"):
+            last[cell] = max(last[cell], int(metric.split("@")[1]))
+    out: dict[str, list[dict[str, Any]]] = {"denoisers": [], "mechanisms": []}
+    for cell, metric, ci, _ in comparisons:
+        if bands_of(cell.split("|")[-1]) is None:
+            out["denoisers"].append(ci)
+        elif metric == f"perplexity@{last[cell]}":
+            out["mechanisms"].append(ci)
+    return out
+
+
+def _finite(cis: list[dict[str, Any]]) -> int:
+    return sum(math.isfinite(ci.get("p", math.nan)) for ci in cis)
+
+
 def analyze(result: dict[str, Any]) -> dict[str, Any]:
-    """Per (optimizer, B, ε) and method: §10's metrics, Holm over the section's family, CI-based verdicts."""
+    """Per (optimizer, B, ε) and method: §10's metrics, Holm within each of :func:`families` and over all
+    comparisons (``p_holm_all``), CI-based verdicts, and §12.D's b chosen on validation."""
     cells: dict[str, Any] = {}
     for (o, b, e), methods in sorted(_cells(result).items()):
         base = methods.get(BASELINE, {})
@@ -160,11 +185,38 @@ def analyze(result: dict[str, Any]) -> dict[str, Any]:
         cells[key] = {m: _method(seeds, base, m not in (BASELINE, *REFERENCES)) for m, seeds in methods.items()}
     an: dict[str, Any] = {"cells": cells}
     comparisons = family(an)
-    holm_family([ci for _, _, ci, _ in comparisons])
+    every = [ci for _, _, ci, _ in comparisons]
+    for ci, adj in zip(every, holm([ci.get("p", math.nan) for ci in every]), strict=True):
+        ci["p_holm_all"] = adj
+    groups = families(comparisons)
+    for cis in groups.values():
+        holm_family(cis)
     for _, _, ci, smallest in comparisons:
         ci["verdict"] = verdict(ci, smallest)
-    an["family_size"] = sum(math.isfinite(ci.get("p", math.nan)) for _, _, ci, _ in comparisons)
+    an["family_size"] = _finite(groups["denoisers"])
+    an["family_sizes"] = {name: _finite(cis) for name, cis in groups.items()} | {"all": _finite(every)}
+    an["chosen_mechanism"] = chosen_mechanism(result, an)
     return an
+
+
+def chosen_mechanism(result: dict[str, Any], an: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per cell (§12.D): the noise-mechanism arm whose learning-rate runs reached the best validation score, with
+    that score (``-log`` perplexity) and its interval against ``none`` at the last evaluated step."""
+    out: dict[str, dict[str, Any]] = {}
+    for cell, methods in an["cells"].items():
+        o, b = cell.split("|")[0], cell.split("|")[1]
+        best: tuple[float, str] | None = None
+        for m, e in methods.items():
+            tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b}", {}).get("val", {})
+            if bands_of(m) is None or not tried or not e.get("perplexity_gain_vs_none"):
+                continue
+            if best is None or max(tried.values()) > best[0]:
+                best = (max(tried.values()), m)
+        if best is not None:
+            gains = methods[best[1]]["perplexity_gain_vs_none"]
+            step = max(gains, key=int)
+            out[cell] = {"method": best[1], "val_score": best[0], "step": int(step), "gain_vs_none": gains[step]}
+    return out
 
 
 def _ci(ci: dict[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -185,14 +237,21 @@ def tables(result: dict[str, Any]) -> str:
     """Markdown: perplexity per step, then steps and ε to the baseline's final perplexity, with Holm p and
     verdicts (the perplexity interval is ``none − method``: positive means the method is better)."""
     an = result.get("analysis") or analyze(result)
-    lines = [f"Holm family: {an.get('family_size', 0)} comparisons (every method, step and metric below).", ""]
+    sizes = an.get("family_sizes", {"denoisers": an.get("family_size", 0)})
+    lines = [
+        "Holm families: "
+        + ", ".join(f"{name} {n} comparisons" for name, n in sizes.items())
+        + " (`Holm p`: within its family; `Holm p (all)`: over every comparison below).",
+        "",
+    ]
     for cell, methods in an["cells"].items():
         o, b = cell.split("|")[0], int(cell.split("|")[1][1:])
         lines += [
             f"**{cell}**",
             "",
-            "| method | lr | step | test perplexity (mean ± s.d.) | none − method [95 % CI] | Holm p | verdict |",
-            "|---|---|---|---|---|---|---|",
+            "| method | lr | step | test perplexity (mean ± s.d.) | none − method [95 % CI] | Holm p | Holm p (all) | "
+            "verdict |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for m, e in methods.items():
             oriented = e.get("perplexity_gain_vs_none", {})
@@ -201,7 +260,7 @@ def tables(result: dict[str, Any]) -> str:
                 lr = lr_label(result, m, o, b, e["lr"])
                 lines.append(
                     f"| {m} | {lr} | {s} | {mu:.3f} ± {sd:.3f} | {_ci(ci, digits=3)} | {fmt_p(ci)} | "
-                    f"{ci['verdict'] if ci else '–'} |"
+                    f"{fmt_p(ci, 'p_holm_all')} | {ci['verdict'] if ci else '–'} |"
                 )
         lines += [
             "",
@@ -222,7 +281,26 @@ def tables(result: dict[str, Any]) -> str:
                 f"{gated} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _chosen_table(an))
+
+
+def _chosen_table(an: dict[str, Any]) -> list[str]:
+    """§12.D's cell: the noise-mechanism arm chosen on validation and its interval against ``none``."""
+    chosen = an.get("chosen_mechanism") or {}
+    if not chosen:
+        return []
+    lines = [
+        "| cell | chosen on validation | best validation ppl | step | none − chosen [95 % CI] | p (raw) | Holm p | "
+        "Holm p (all) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, c in chosen.items():
+        ci = c["gain_vs_none"]
+        lines.append(
+            f"| {cell} | {c['method']} | {_ppl(c['val_score']):.2f} | {c['step']} | {_ci(ci, digits=3)} | "
+            f"{fmt_p(ci, 'p')} | {fmt_p(ci)} | {fmt_p(ci, 'p_holm_all')} | {ci['verdict']} |"
+        )
+    return [*lines, ""]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
