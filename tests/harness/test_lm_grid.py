@@ -187,7 +187,7 @@ def test_report_keeps_section_10_and_section_12_families_apart() -> None:
     chosen = an["chosen_mechanism"]["adamw|B64|eps5.4"]
     assert chosen["method"] == "bandmf:4" and chosen["val_score"] == -2.9 and chosen["step"] == 50
     assert chosen["gain_vs_none"]["mean"] == pytest.approx((0.5 + 0.8 + 0.6) / 3)
-    assert "| adamw|B64|eps5.4 | bandmf:4 | 18.17 | 50 |" in lm_report.tables({"runs": runs, "analysis": an})
+    assert "| adamw, B64, eps5.4 | bandmf:4 | 18.17 | 50 |" in lm_report.tables({"runs": runs, "analysis": an})
 
 
 def test_epsilon_after_charges_each_run_as_its_mechanism_is() -> None:

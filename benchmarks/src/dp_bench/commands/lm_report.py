@@ -297,14 +297,18 @@ def _chosen_table(an: dict[str, Any]) -> list[str]:
     for cell, c in chosen.items():
         ci = c["gain_vs_none"]
         lines.append(
-            f"| {cell} | {c['method']} | {_ppl(c['val_score']):.2f} | {c['step']} | {_ci(ci, digits=3)} | "
+            f"| {cell.replace('|', ', ')} | {c['method']} | {_ppl(c['val_score']):.2f} | {c['step']} | "
+            f"{_ci(ci, digits=3)} | "
             f"{fmt_p(ci, 'p')} | {fmt_p(ci)} | {fmt_p(ci, 'p_holm_all')} | {ci['verdict']} |"
         )
     return [*lines, ""]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Test perplexity vs step per method (mean ± sample s.d. over seeds), one panel per (optimizer, B, ε)."""
+    """Test perplexity vs step per method (mean ± sample s.d. over seeds), per (optimizer, B, ε) a panel of the whole
+    run and one from the first evaluation on, scaled to the private arms."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,24 +317,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cells = _cells(result)
     if not cells:
         return
-    fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4.5), squeeze=False)
-    for ax, ((o, b, e), methods) in zip(axes[0], sorted(cells.items()), strict=True):
+    fig, axes = plt.subplots(2, len(cells), figsize=(6.5 * len(cells), 8.5), squeeze=False)
+    for col, ((o, b, e), methods) in enumerate(sorted(cells.items())):
+        private: list[float] = []
         for m, seeds in methods.items():
             runs = list(seeds.values())
             xs = [s for s, _ in runs[0]["test"]]
             ys = np.array([[_ppl(v) for _, v in r["test"]] for r in runs if len(r["test"]) == len(xs)])
             mu = ys.mean(0)
             sd = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mu)
-            (line,) = ax.plot(xs, mu, marker="o", ms=3, label=f"{m} (n={len(ys)})")
-            ax.fill_between(xs, mu - sd, mu + sd, color=line.get_color(), alpha=0.15)
-        ax.set_title(f"{o}, B = {b}, ε = {e:g}", fontsize=10)
-        ax.set_xlabel("logical DP step")
-        ax.set_ylabel("test perplexity")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            private += [] if m in REFERENCES else list(mu[1:])
+            for ax in axes[:, col]:
+                (line,) = ax.plot(xs, mu, marker="o", ms=3, label=f"{m} (n={len(ys)})")
+                ax.fill_between(xs, mu - sd, mu + sd, color=line.get_color(), alpha=0.15)
+        axes[0, col].set_title(f"{o}, B = {b}, ε = {e:g}", fontsize=10)
+        if private:
+            axes[1, col].set_ylim(min(private) - 2, max(private) + 2)
+        axes[1, col].set_xlim(left=min(s for s, _ in next(iter(next(iter(methods.values())).values()))["test"][1:]))
+        axes[1, col].set_title("from the first evaluation on (scaled to the private arms)", fontsize=9)
+        for ax in axes[:, col]:
+            ax.set_xlabel("logical DP step")
+            ax.set_ylabel("test perplexity")
+            ax.grid(alpha=0.3)
+        axes[0, col].legend(fontsize=8)
     info = result.get("data", {})
     title = f"{info.get('bed', 'causal LM')}, {info.get('block_size', '?')}-token blocks (bands: s.d.)"
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
