@@ -282,17 +282,24 @@ def tables(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def best_validation(result: dict[str, Any], method: str, optimizer: str, batch: str) -> float | None:
+    """The best validation score of ``method``'s learning-rate runs in the cell (``batch``: ``"B<n>"``; None: the
+    arm was not tuned there) — what choosing among arms on validation compares."""
+    tried = result.get("lr_choice", {}).get(f"{method}|{optimizer}|{batch}", {}).get("val", {})
+    return max(tried.values()) if tried else None
+
+
 def _chosen_bands_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
     """Per (optimizer, B, ε): the ``bandmf:<b>`` whose learning-rate runs reached the best validation accuracy (the
     b chosen on validation, ``docs/results.md`` §12) and its paired difference to DP-SGD (``none``)."""
     best: dict[tuple[str, int, float], tuple[float, str, dict[str, Any]]] = {}
     for c in an["cells"].values():
-        tried = result.get("lr_choice", {}).get(f"{c['method']}|{c['optimizer']}|B{c['batch']}", {}).get("val", {})
-        if not c["method"].startswith("bandmf:") or not tried or "diff_vs_none" not in c:
+        val = best_validation(result, c["method"], c["optimizer"], f"B{c['batch']}")
+        if not c["method"].startswith("bandmf:") or val is None or "diff_vs_none" not in c:
             continue
         key = (c["optimizer"], c["batch"], c["epsilon"])
-        if key not in best or max(tried.values()) > best[key][0]:
-            best[key] = (max(tried.values()), c["method"], c)
+        if key not in best or val > best[key][0]:
+            best[key] = (val, c["method"], c)
     if not best:
         return []
     lines = [
@@ -318,8 +325,8 @@ def _vs_adamw_table(result: dict[str, Any], an: dict[str, Any]) -> list[str]:
     ]
     for k, ci in an["vs_adamw"].items():
         o, b, e, m = k.split("|")
-        tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b}", {}).get("val", {})
-        best = f"{100 * max(tried.values()):.2f}" if tried else "–"
+        val = best_validation(result, m, o, b)
+        best = "–" if val is None else f"{100 * val:.2f}"
         lines.append(f"| {o} | {b[1:]} | {e[3:]} | {m} | {best} | {_fmt_ci(ci)} | {fmt_p(ci)} |")
     return lines
 

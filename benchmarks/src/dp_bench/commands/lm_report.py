@@ -32,7 +32,7 @@ import numpy as np
 
 from ..analysis import fmt_p, holm, holm_family, mean_std, paired_ci, steps_to_reach
 from ..noise_methods import accounting, bands_of
-from .grid_report import BASELINE, REFERENCES, evaluations
+from .grid_report import BASELINE, REFERENCES, best_validation, evaluations
 
 #: paper A's smallest reported gains: 15.6 % fewer steps, 0.17 ε saved (docs/results.md §10, "Metrics")
 SMALLEST_GAIN = {"perplexity": 0.0, "fewer_steps": 0.156, "epsilon_saved": 0.17}
@@ -207,11 +207,11 @@ def chosen_mechanism(result: dict[str, Any], an: dict[str, Any]) -> dict[str, di
         o, b = cell.split("|")[0], cell.split("|")[1]
         best: tuple[float, str] | None = None
         for m, e in methods.items():
-            tried = result.get("lr_choice", {}).get(f"{m}|{o}|{b}", {}).get("val", {})
-            if bands_of(m) is None or not tried or not e.get("perplexity_gain_vs_none"):
+            val = best_validation(result, m, o, b)
+            if bands_of(m) is None or val is None or not e.get("perplexity_gain_vs_none"):
                 continue
-            if best is None or max(tried.values()) > best[0]:
-                best = (max(tried.values()), m)
+            if best is None or val > best[0]:
+                best = (val, m)
         if best is not None:
             gains = methods[best[1]]["perplexity_gain_vs_none"]
             step = max(gains, key=int)
@@ -320,6 +320,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, len(cells), figsize=(6.5 * len(cells), 8.5), squeeze=False)
     for col, ((o, b, e), methods) in enumerate(sorted(cells.items())):
         private: list[float] = []
+        xs: list[int] = []
         for m, seeds in methods.items():
             runs = list(seeds.values())
             xs = [s for s, _ in runs[0]["test"]]
@@ -333,7 +334,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[0, col].set_title(f"{o}, B = {b}, ε = {e:g}", fontsize=10)
         if private:
             axes[1, col].set_ylim(min(private) - 2, max(private) + 2)
-        axes[1, col].set_xlim(left=min(s for s, _ in next(iter(next(iter(methods.values())).values()))["test"][1:]))
+        axes[1, col].set_xlim(left=xs[1] if len(xs) > 1 else None)
         axes[1, col].set_title("from the first evaluation on (scaled to the private arms)", fontsize=9)
         for ax in axes[:, col]:
             ax.set_xlabel("logical DP step")
