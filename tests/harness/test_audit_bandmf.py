@@ -53,7 +53,10 @@ def test_correct_bandmf_stays_below_and_unnormalized_coefficients_are_caught(dat
     assert summary["bandmf:4"]["above_fdp"] == 0 and summary["bandmf:4:kappa=2"]["above_fdp"] == 2
     assert [r["kappa"] for r in rows] == pytest.approx([1, 1, 2, 2], rel=1e-9)  # given coefficients kept as they are
     assert all(r["steps"] == 28 and r["mu_accountant"] == pytest.approx(0.5, rel=1e-12) for r in rows)
-    assert all(r["epsilon_data"] < r["epsilon_accountant"] for r in rows)  # the data's rate b·q < the canaries' 1
+    correct, broken = rows[:2], rows[2:]
+    assert all(r["epsilon_data"] < r["epsilon_accountant"] for r in correct)  # the data's rate b·q < the canaries' 1
+    # the engine computes κ itself: the broken arm's data are charged σ/2, not σ (the misaccounting is the harness's)
+    assert all(b["epsilon_data"] > c["epsilon_data"] for b, c in zip(broken, correct, strict=True))
 
 
 def test_fdp_bandmf_command_smoke_and_replot(tmp_path: Path, capsys) -> None:

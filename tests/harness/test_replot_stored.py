@@ -47,7 +47,8 @@ STORED = [(kind, path) for kind in REPORTS for path in stored(kind)]
 
 
 def assert_same(old: Any, new: Any, where: str = "") -> None:
-    """Equal, floats to 1e-9 relative (NaN equals NaN); keys added since the file was written are ignored."""
+    """Equal, floats to 1e-9 relative (accountant ε: 1e-7; NaN equals NaN); keys added since the file was written are
+    ignored."""
     if isinstance(old, dict):
         assert isinstance(new, dict), where
         old_keys = {k for k in old if k not in ADDED_SINCE}
@@ -60,7 +61,10 @@ def assert_same(old: Any, new: Any, where: str = "") -> None:
             assert_same(a, b, f"{where}[{i}]")
     elif isinstance(old, float) or isinstance(new, float):
         a, b = float(old), float(new)
-        assert (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (where, a, b)
+        # ε from Opacus' PRV accountant (an FFT) and what derives from it differ by ~1e-9 relative between CPUs
+        # (seen 2026-12-07: 1.0e-9 and 3e-9 on this machine for the stored smollm2 grids' ε-to-target statistics)
+        rel = 1e-7 if "epsilon" in where else 1e-9
+        assert (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-12), (where, a, b)
     else:
         assert old == new, (where, old, new)
 

@@ -36,12 +36,11 @@ from torch.distributed._composable.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .accounting.bounds import (
+    GDP_WHY,
     EngineCount,
     bounded_epsilon,
     check_delta,
-    check_gdp_history,
     refuse_gdp,
-    warn_approximate,
     without_inapplicable_warnings,
 )
 from .accounting.calibration import epsilon_from_history
@@ -65,9 +64,11 @@ from .accounting.sampling import (
 from .denoisers.advice import external_stacklevel
 from .doctor.batch_check import BatchCheck, BatchCheckSetting, install_batch_check
 from .doctor.doctor import Doctor, DoctorSetting, accounted_steps, install_doctor
-from .errors import NonPrivateWarning, ShuffledSamplingWarning
+from .errors import ApproximateEpsilonWarning, NonPrivateWarning, ShuffledSamplingWarning
+from .mechanisms.certificate import CERTIFICATE_ATTR, NoiseCertificate
 from .mechanisms.install import CHECKPOINT_KEY as MECHANISM_KEY
 from .mechanisms.install import MechanismRun, MechanismSpec
+from .mechanisms.realization import realize
 from .optimizers.adam_bc import DPAdamBC, attach_noise_variance
 from .optimizers.adam_bc import check_denoisers as check_adam_bc
 from .plugins.registry import DenoiserSpec, Registry, get_registry
@@ -222,6 +223,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.batch_check: BatchCheck | None = None  #: the last make_private's batch-independence check (docs/engine.md)
         self.precision_guard: PrecisionGuard | None = None  #: float32 clipping under autocast (docs/engine.md)
         self.mechanism_run: MechanismRun | None = None  #: the last make_private's noise mechanism (docs/mechanisms.md)
+        #: the last make_private's noise certificate (every step's released noise against its charge)
+        self.noise_certificate: NoiseCertificate | None = None
 
     def validate(self, *, module: nn.Module, optimizer: Any, data_loader: Any) -> None:  # type: ignore[override]
         """Opacus' check that every trainable module can be trained privately; modules Opacus' validator can replace
@@ -346,10 +349,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         noise = self._create_mechanism(noise_mechanism, steps, epochs, kwargs.get("poisson_sampling", True))
         if self.mechanism_run is not None:  # before Opacus hooks the model: a retry must find it untouched
             self.mechanism_run.check_setup(_optimizer_class(kwargs), kwargs.get("data_loader"))
+            noise = self.mechanism_run.realization
         compose_privacy_record(self, new_privacy_unit=new_privacy_unit, noise=noise, **kwargs)  # ε continues
         out = super().make_private(*args, **kwargs)
         if self.mechanism_run is not None:
             self.mechanism_run.install(out[1])
+        setattr(out[1], CERTIFICATE_ATTR, self.noise_certificate)  # certificate_of(optimizer)
         refuse_copies(out[1])  # a copy would break Opacus' DPOptimizer class for the whole process (.copies)
         if isinstance(out[1].original_optimizer, DPAdamBC):  # told each step's noise variance (.optimizers.adam_bc)
             attach_noise_variance(out[1])
@@ -455,11 +460,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         sample_rate = 1 / len(loader) if poisson else 1.0  # shuffled: one Gaussian mechanism per epoch
         steps = int(epochs / sample_rate) if poisson else math.ceil(epochs)
         spec, scale = kwargs.get("noise_mechanism"), 1.0
-        if spec is not None and spec != "gaussian":  # calibrated through the mechanism's own accounting
+        if spec is not None and spec != "gaussian":  # calibrated through the accounting of its realized strategy
             mechanism = (self.registry or get_registry()).create_mechanism(spec)
             kwargs.update(noise_mechanism=mechanism, steps=steps)
-            mechanism.setup(steps=steps, sample_rate=sample_rate, dataset_size=len(loader.dataset))
-            accounting = mechanism.accounting(1.0, sample_rate)
+            realized = realize(mechanism, steps=steps, sample_rate=sample_rate, dataset_size=len(loader.dataset))
+            accounting = realized.accounting(1.0, sample_rate)
             sample_rate, steps = accounting.sample_rate, math.ceil(steps / accounting.every)
             scale = accounting.noise_multiplier  # charged σ′ = σ × scale (BandMF: 1/κ)
         # what the accountant will already hold: its own steps, then the model's privacy record (.privacy_record)
@@ -538,7 +543,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         warns where ε is not what the user may expect (gdp, an ignored sampler, shuffled sampling)."""
         gdp = self.accountant.mechanism() == "gdp"
         if gdp:
-            warn_approximate("PrivacyEngine(accountant='gdp')")
+            warnings.warn(
+                f"PrivacyEngine(accountant='gdp'): {GDP_WHY}. get_epsilon reports PRV's upper bound on the same steps "
+                "instead; use accountant='prv' or 'rdp' to say so.",
+                ApproximateEpsilonWarning,
+                stacklevel=external_stacklevel(),
+            )
         kind = sampler_kind(data_loader)
         if poisson_sampling or kind == "poisson":
             if poisson_sampling:
@@ -573,12 +583,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
         def factory(sample_rate: float) -> Any:
             accountant.__dict__.pop("get_optimizer_hook_fn", None)  # one make_private, one hook
             if self.mechanism_run is not None:
-                return self.mechanism_run.accountant_hook(accountant, state.count)
+                return self._certified(self.mechanism_run.accountant_hook(accountant, state.count))
             if tracker is not None:
-                return shuffled_hook(accountant, tracker, state.count)
-            return counted_hook(accountant, opacus_factory(sample_rate=sample_rate), state.count)
+                return self._certified(shuffled_hook(accountant, tracker, state.count))
+            return self._certified(counted_hook(accountant, opacus_factory(sample_rate=sample_rate), state.count))
 
         accountant.get_optimizer_hook_fn = factory
+
+    def _certified(self, hook: Any) -> Any:
+        """``hook`` (the accountant's: it charges the step), then the noise certificate of the step
+        (:mod:`~opacus_spectral.mechanisms.certificate`): what was released against what was charged, before the
+        update. The certificate whitens with the run's strategy (DP-SGD's c = (1,) without a mechanism)."""
+        run = self.mechanism_run
+        certificate = NoiseCertificate((1.0,) if run is None else run.realization.coefficients)
+        self.noise_certificate = certificate
+        if run is not None:  # a resume's fresh stream restarts the certificate's strategy too
+            run.certificate = certificate
+
+        def certified(optim: Any) -> None:
+            hook(optim)
+            certificate.check(optim)
+
+        return certified
 
     @property
     def dp_steps(self) -> int:
@@ -611,9 +637,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return 0.0
         if any(s == 0 for s, _, _ in finite):
             return math.inf
-        if mechanism == "gdp":
-            check_gdp_history(finite)
-            warn_approximate("PrivacyEngine.get_epsilon")
+        if mechanism == "gdp":  # Opacus' gdp ε is an approximation: report PRV's upper bound on the same steps
+            return epsilon_from_history(finite, delta, "prv")
         if len(finite) < len(history):
             return epsilon_from_history(finite, delta, mechanism)
         return bounded_epsilon(finite, delta, mechanism, lambda: super(PrivacyEngine, self).get_epsilon(delta))
@@ -765,12 +790,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"{where}: the checkpoint's steps were charged for {count['sampling']} sampling, but this engine's "
                 f"last make_private samples by {current}: load it into a run sampled the same way"
             )
-        multiplier = noise_multiplier if noise_multiplier is not None else getattr(optimizer, "noise_multiplier", None)
-        q = 1.0 if shuffle else sample_rate if sample_rate is not None else self._sample_rate
+        multiplier, q = _stated(optimizer, noise_multiplier, self._sample_rate, sample_rate, where)
+        q = 1.0 if shuffle else q
         banded = (
             q is not None
             and self.mechanism_run is not None
-            and self.mechanism_run.mechanism.accounting(1.0, q).every > 1
+            and self.mechanism_run.realization.accounting(1.0, q).every > 1
         )
         if (multiplier is None and (noise_scheduler is None or banded)) or q is None:
             raise ValueError(
@@ -785,8 +810,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"{where}: the checkpoint's noise mechanism ({name!r}) is not this run's: call make_private with the "
                 "same noise_mechanism before load_checkpoint"
             )
-        if self.mechanism_run is not None:  # the same mechanism, and the same groups from the seed
-            self.mechanism_run.check_state(saved, where)
+        if self.mechanism_run is not None:  # the same mechanism and groups; mid-band, the same σ, C and rate
+            clip = getattr(optimizer, "max_grad_norm", None)
+            self.mechanism_run.check_state(saved, where, facts={"noise_multiplier": multiplier, "max_grad_norm": clip})
         pipeline = checkpoint.get(CHECKPOINT_KEY)
         counters = [count["charged_steps"]]
         if not shuffle and self.mechanism_run is None:  # these count DP steps, one history step each
@@ -794,7 +820,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             if isinstance(pipeline, dict) and isinstance(pipeline.get("step"), int):
                 counters.append(pipeline["step"])
         if multiplier is not None and self.mechanism_run is not None:  # the history holds the charged σ′
-            multiplier = self.mechanism_run.mechanism.accounting(multiplier, q).noise_multiplier
+            multiplier = self.mechanism_run.realization.accounting(multiplier, q).noise_multiplier
         steps = verify_accountant_history(
             accountant["history"],
             # one charge for every b steps: the band spanning the resume may not change σ, scheduler or not
@@ -810,3 +836,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "when the engine saved it: refusing an edited history"
             )
         return steps
+
+
+def _stated(optimizer: Any, noise_multiplier: Any, engine_rate: Any, sample_rate: Any, where: str) -> tuple[Any, Any]:
+    """The σ and q a resume is checked against: the optimizer's own σ and the engine's own loader rate. A stated
+    ``noise_multiplier=`` / ``sample_rate=`` is used only where those are unknown, and refused where it disagrees."""
+    own = getattr(optimizer, "noise_multiplier", None)
+    for name, stated, known in (("noise_multiplier", noise_multiplier, own), ("sample_rate", sample_rate, engine_rate)):
+        if stated is not None and known is not None and not math.isclose(float(stated), float(known), rel_tol=1e-12):
+            raise ValueError(
+                f"{where}: {name}={stated!r} was passed, but the run uses {known!r} (the "
+                f"{'optimizer' if name == 'noise_multiplier' else 'loader make_private built'}'s own): the check "
+                f"compares the checkpoint with what the run does, so drop {name}= or make the run match it"
+            )
+    return (own if own is not None else noise_multiplier), (engine_rate if engine_rate is not None else sample_rate)

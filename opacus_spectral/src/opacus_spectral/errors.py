@@ -3,7 +3,8 @@
 
 Errors: :class:`DenoiserError`, :class:`NonFiniteGradientError` (the post-noise pipeline), :class:`DenoiserBuildError`
 (a denoiser spec that cannot be built), :class:`DoctorError` (the doctor, ``mode="raise"``),
-:class:`BatchDependenceError` (a record's gradient depends on the other records of its batch). Warnings: privacy
+:class:`BatchDependenceError` (a record's gradient depends on the other records of its batch),
+:class:`NoiseCertificateError` (a step released other noise than it was charged for). Warnings: privacy
 (:class:`NonPrivateWarning`, :class:`ReproducibleNoiseWarning`, :class:`ApproximateEpsilonWarning`,
 :class:`ShuffledSamplingWarning`, :class:`IgnoredSamplerWarning`, :class:`ComposedPrivacyWarning`), the doctor
 (:class:`DoctorWarning`, :class:`BatchCheckWarning`) and advice (:class:`DenoiserAdviceWarning`).
@@ -26,6 +27,7 @@ __all__ = [
     "ShuffledSamplingWarning",
     "IgnoredSamplerWarning",
     "ComposedPrivacyWarning",
+    "NoiseCertificateError",
 ]
 
 
@@ -87,3 +89,8 @@ class IgnoredSamplerWarning(UserWarning):
 
 class ComposedPrivacyWarning(UserWarning):
     """A new engine or ``DPTrainer`` composes with the privacy record the model carries (ε continues)."""
+
+
+class NoiseCertificateError(RuntimeError):
+    """A step released less (or other) noise than the engine charged for it (:mod:`.mechanisms.certificate`): the step
+    is stopped before its update."""

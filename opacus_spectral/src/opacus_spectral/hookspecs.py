@@ -47,9 +47,10 @@ def opacus_spectral_noise_mechanisms() -> Mapping[str, Callable[..., Any]]:  # t
     """Return the noise mechanisms this plugin provides: ``{name: factory}``.
 
     ``factory(**kwargs)`` builds a :class:`~opacus_spectral.mechanisms.base.NoiseMechanism`; ``kwargs`` come from
-    ``make_private(noise_mechanism=(name, {...}))``. A mechanism declares its sampler, the noise std it releases and
-    its accounting as DP-SGD with (σ′, q′) charged every k steps — never a free-form ε (``docs/mechanisms.md``).
-    Names must be unique across plugins, like denoisers'.
+    ``make_private(noise_mechanism=(name, {...}))``. A mechanism contributes a strategy only — banded Toeplitz
+    coefficients (:class:`~opacus_spectral.mechanisms.strategy.BandedToeplitz`); the engine draws the noise, builds
+    the sampler, computes κ and the accounting, and certifies every step (``docs/mechanisms.md``, "Writing a
+    mechanism"). Names must be unique across plugins, like denoisers'; a built-in name is never replaced.
     """
 
 

@@ -50,11 +50,12 @@ def test_gdp_kept_for_reporting_warns_where_it_is_used() -> None:
     with pytest.warns(ApproximateEpsilonWarning, match="approximation, not an upper bound"):
         engine.make_private(**common, data_loader=dl, noise_multiplier=1.0)
     engine.accountant.history = [(1.0, 0.25, 4)]
-    with pytest.warns(ApproximateEpsilonWarning, match="PrivacyEngine.get_epsilon"):
-        assert engine.get_epsilon(1e-5) > 0
-    engine.accountant.history = [(1.0, 0.25, 4), (2.0, 0.25, 1)]  # e.g. loaded: gdp would read only the last
-    with pytest.raises(ValueError, match="reads only the last"):
-        engine.get_epsilon(1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a bound now: no warning at get_epsilon
+        assert engine.get_epsilon(1e-5) == epsilon_from_history([(1.0, 0.25, 4)], 1e-5, "prv")
+    # gdp alone would read only the last entry (and said 0.909 where PRV says 3.239): PRV's bound over all of them
+    engine.accountant.history = [(1.0, 0.25, 4), (2.0, 0.25, 1)]
+    assert engine.get_epsilon(1e-5) == epsilon_from_history([(1.0, 0.25, 4), (2.0, 0.25, 1)], 1e-5, "prv")
 
 
 def _trainer(tmp_path, **kw) -> DPTrainer:
@@ -78,7 +79,8 @@ def test_dptrainer_refuses_to_calibrate_to_gdp_and_labels_its_log(tmp_path) -> N
     with pytest.warns(ApproximateEpsilonWarning):
         t.train()
     logged = [r for r in t.state.log_history if "epsilon" in r]
-    assert logged and all(r["epsilon_approximate"] is True for r in logged)
+    assert logged and all("epsilon_approximate" not in r for r in logged)  # the ε logged is PRV's bound
+    assert logged[-1]["epsilon"] == pytest.approx(t.privacy_engine.get_epsilon(1e-5))
 
 
 # --- δ < 1/N, ε >= 0 ------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import pytest
 import torch
 from opacus_spectral.audit import GradientCanaries
 from opacus_spectral.audit.cyclic import cyclic_claimed_mu, whitened_scores
-from opacus_spectral.mechanisms.bandmf import BandMFMechanism
 from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients, strategy_matrix
 from opacus_spectral.mechanisms.base import NoiseMechanism
+from opacus_spectral.mechanisms.strategy import BandedToeplitz
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,13 +117,21 @@ def test_what_the_claim_would_not_cover_is_refused() -> None:
     with pytest.raises(ValueError, match="keep_steps"):
         GradientCanaries(opt, 10, module=module, keep_steps=False)
 
-    class Correlated(NoiseMechanism):
-        name = "correlated-elsewhere"
+    class Correlated(NoiseMechanism):  # the old contract's declaration: refused by make_private
+        name = "correlated_elsewhere"
         correlated = True
 
-    module, opt, _ = _private(Correlated(), nm=1.0)
-    with pytest.raises(NotImplementedError, match="BandMF only"):
-        GradientCanaries(opt, 10, module=module)
+    with pytest.raises(TypeError, match="defines correlated"):
+        _private(Correlated(), nm=1.0)
+
+    class Elsewhere(NoiseMechanism):  # any banded Toeplitz strategy: the canaries know its sampling and noise
+        name = "elsewhere"
+
+        def strategy(self, *, steps, sample_rate, dataset_size):
+            return BandedToeplitz((0.8, 0.6))
+
+    module, opt, _ = _private(Elsewhere(), nm=1.0)
+    assert GradientCanaries(opt, 10, module=module).bands == 2
 
 
 def test_whitened_score_is_the_log_likelihood_ratio() -> None:
@@ -146,11 +154,15 @@ def test_whitened_score_is_the_log_likelihood_ratio() -> None:
     assert scores[2].item() == pytest.approx((strategy @ pattern[:, 2])[5].item() - 0.5 * norms2[2].item(), abs=1e-12)
 
 
+def _band(bands: int) -> BandedToeplitz:
+    return BandedToeplitz((1.0,) + (0.0,) * (bands - 1))
+
+
 def test_claim_is_the_mechanisms_accounting_at_rate_one() -> None:
     """μ = √(Σ σ′⁻²) over the steps the BandMF accounting charges: ⌈T/b⌉ of them (7 of 25 at b = 4), not T."""
-    assert cyclic_claimed_mu(BandMFMechanism(bands=4), [2.0] * 25) == pytest.approx(math.sqrt(7) / 2, rel=1e-12)
-    assert cyclic_claimed_mu(BandMFMechanism(bands=1), [2.0] * 25) == pytest.approx(2.5, rel=1e-12)
-    assert cyclic_claimed_mu(BandMFMechanism(bands=4), [0.0] * 5) == math.inf  # no noise, no claim
+    assert cyclic_claimed_mu(_band(4), [2.0] * 25) == pytest.approx(math.sqrt(7) / 2, rel=1e-12)
+    assert cyclic_claimed_mu(_band(1), [2.0] * 25) == pytest.approx(2.5, rel=1e-12)
+    assert cyclic_claimed_mu(_band(4), [0.0] * 5) == math.inf  # no noise, no claim
     with pytest.raises(ValueError, match="one noise multiplier"):  # the engine refuses a changing σ under BandMF
-        cyclic_claimed_mu(BandMFMechanism(bands=4), [2.0, 2.0, 1.0, 2.0])
-    assert cyclic_claimed_mu(BandMFMechanism(bands=49), [2.0] * 49) == 0.5  # 49 · (1/49) ≠ 1 in floating point
+        cyclic_claimed_mu(_band(4), [2.0, 2.0, 1.0, 2.0])
+    assert cyclic_claimed_mu(_band(49), [2.0] * 49) == 0.5  # 49 · (1/49) ≠ 1 in floating point

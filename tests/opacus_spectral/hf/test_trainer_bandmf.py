@@ -261,10 +261,16 @@ def test_a_resumed_run_keeps_the_partition_and_cycle_and_ends_at_the_same_epsilo
     state = torch.load(checkpoint / DP_STATE_FILE, weights_only=True)
     seed = full.privacy_engine.mechanism_run.partition_seed
     digest = partition_digest(full.privacy_engine.mechanism_run.loader.batch_sampler.parts)
+    realized = full.privacy_engine.mechanism_run.realization
     assert state["noise_mechanism"] == {
         "name": "bandmf",
         "bands": 4,
         "steps": 7,
+        "coefficients": list(realized.coefficients),  # the strategy as a fact, compared exactly at a resume
+        "kappa": 1.0,
+        "sample_rate": Q,
+        "noise_multiplier": 1.0,
+        "max_grad_norm": full.args.per_sample_max_grad_norm,
         "partition_seed": seed,
         "partition_digest": digest,
         "step": 3,

@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
-from opacus_spectral.mechanisms.base import Accounting, GaussianMechanism
+from opacus_spectral.mechanisms.base import GaussianMechanism
 from opacus_spectral.mechanisms.cyclic import CyclicPoissonSampler, group_labels, partition
+from opacus_spectral.mechanisms.realization import realize
+from opacus_spectral.mechanisms.strategy import Accounting
 
 
 def test_each_record_is_sampled_only_at_its_groups_steps_and_at_rate_p():
@@ -62,28 +64,26 @@ def test_the_partition_is_a_function_of_its_seed_and_a_resume_continues_the_cycl
 
 
 def test_bandmf_accounting_is_dp_sgd_with_b_times_the_rate_every_b_steps():
-    mech = BandMFMechanism(bands=4)
-    mech.setup(steps=10, sample_rate=0.05, dataset_size=1000)
-    acc = mech.accounting(1.3, 0.05)
+    acc = realize(BandMFMechanism(bands=4), steps=10, sample_rate=0.05, dataset_size=1000).accounting(1.3, 0.05)
     assert acc == Accounting(1.3, 0.2, 4)
     assert sum(acc.charge(t) for t in range(10)) == math.ceil(10 / 4)
-    assert GaussianMechanism().accounting(1.3, 0.05) == Accounting(1.3, 0.05, 1)
+    gaussian = realize(GaussianMechanism(), steps=None, sample_rate=0.05, dataset_size=1000)
+    assert gaussian.accounting(1.3, 0.05) == Accounting(1.3, 0.05, 1)
 
 
 def test_bandmf_refuses_what_it_cannot_account():
     with pytest.raises(ValueError, match="exceeds the run's 3 steps"):
-        BandMFMechanism(bands=4).setup(steps=3, sample_rate=0.01, dataset_size=100)
+        realize(BandMFMechanism(bands=4), steps=3, sample_rate=0.01, dataset_size=100)
     with pytest.raises(ValueError, match="exceeds 1"):
-        BandMFMechanism(bands=8).setup(steps=100, sample_rate=0.25, dataset_size=100)
+        realize(BandMFMechanism(bands=8), steps=100, sample_rate=0.25, dataset_size=100)
     with pytest.raises(ValueError, match="needs the run's length"):
-        BandMFMechanism(bands=2).setup(steps=None, sample_rate=0.01, dataset_size=100)
+        realize(BandMFMechanism(bands=2), steps=None, sample_rate=0.01, dataset_size=100)
     with pytest.raises(ValueError, match="bands must be"):
         BandMFMechanism(bands=0)
 
 
 def test_the_declared_std_is_the_released_noise_std_at_every_step_and_restarts_on_reset():
-    mech = BandMFMechanism(bands=3)
-    mech.setup(steps=6, sample_rate=0.01, dataset_size=1000)
+    mech = realize(BandMFMechanism(bands=3), steps=6, sample_rate=0.01, dataset_size=1000)
     g = torch.Generator().manual_seed(0)
     for _restart in range(2):
         for _ in range(6):
@@ -91,11 +91,10 @@ def test_the_declared_std_is_the_released_noise_std_at_every_step_and_restarts_o
             x = mech.noise("w", torch.randn(200_000, generator=g, dtype=torch.float64))
             mech.end_step()
             assert float(x.std()) == pytest.approx(declared, rel=0.01)
-        assert mech.std_factor() == pytest.approx(declared)  # the last row's norm beyond T
+        assert mech.std_factor() == pytest.approx(declared, rel=1e-3)  # beyond T: the rows converge
         assert mech.buffer_bytes() == (3 - 1) * 200_000 * 8  # b − 1 float64 buffers of the one tensor
         mech.reset()
         assert mech.std_factor() == pytest.approx(1 / mech.coefficients[0])
-    one = BandMFMechanism(bands=1)
-    one.setup(steps=5, sample_rate=0.01, dataset_size=1000)
+    one = realize(BandMFMechanism(bands=1), steps=5, sample_rate=0.01, dataset_size=1000)
     z = torch.randn(4)
     assert one.noise("w", z) is z and one.std_factor() == 1.0

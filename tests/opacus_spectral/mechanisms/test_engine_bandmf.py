@@ -17,6 +17,7 @@ from opacus_spectral.mechanisms.bandmf_math import inverse_matrix
 from opacus_spectral.mechanisms.base import NoiseMechanism
 from opacus_spectral.mechanisms.cyclic import partition
 from opacus_spectral.mechanisms.install import mechanism_of
+from opacus_spectral.mechanisms.strategy import BandedToeplitz
 from opacus_spectral.plugins.registry import Registry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -231,7 +232,7 @@ def test_physical_batches_of_batch_memory_manager_advance_the_noise_once_per_log
 @pytest.mark.parametrize(
     "mechanism, kw, match",
     [
-        (("bandmf", {"bands": 4}), {"poisson_sampling": False}, "cyclic poisson sampling only"),
+        (("bandmf", {"bands": 4}), {"poisson_sampling": False}, "Poisson sampling the engine builds only"),
         (("bandmf", {"bands": 16}), {"steps": 32}, "exceeds 1"),  # 16 × 1/8
         (("bandmf", {"bands": 4}), {"steps": None}, "needs the run's length"),
         (("bandmf", {"bands": 4}), {"post_hooks": ["ema"]}, "independent across steps"),
@@ -292,31 +293,37 @@ def test_denoisers_see_the_released_noise_std_of_each_step():
 
 
 class _Plugin:
-    """A third-party plugin with three mechanisms: a valid one (DP-SGD's noise, declared as such), one that declares a
-    free-form ε instead of an Accounting, and one with a sampler the engine cannot account."""
+    """A third-party plugin with three mechanisms: a valid one (a strategy: DP-SGD's c = (1,) over 2 groups, i.e.
+    cyclic sampling with i.i.d. noise), and two written for the old contract — one declaring its own accounting (an ε
+    of its choosing), one its own noise (a tenth of the draw) — which are refused before anything is built."""
 
     @hookimpl
     def opacus_spectral_noise_mechanisms(self):
         class Plain(NoiseMechanism):
             name = "plain"
 
+            def strategy(self, *, steps, sample_rate, dataset_size):
+                return BandedToeplitz((1.0, 0.0))
+
         class FreeForm(NoiseMechanism):
             name = "free_form"
 
             def accounting(self, noise_multiplier, sample_rate):
-                return 0.1  # "ε = 0.1": never accepted
+                return 0.1  # "ε = 0.1": never consulted
 
-        class Shuffled(NoiseMechanism):
-            name = "shuffled"
-            sampler = "shuffle"
+        class Quiet(NoiseMechanism):
+            name = "quiet"
 
-        return {"plain": Plain, "free_form": FreeForm, "shuffled": Shuffled}
+            def noise(self, key, z):
+                return 0.1 * z  # releases a tenth of what is charged: never called
+
+        return {"plain": Plain, "free_form": FreeForm, "quiet": Quiet}
 
 
-def test_a_third_party_mechanism_registers_by_name_and_declares_only_an_accounting():
+def test_a_third_party_mechanism_contributes_a_strategy_and_nothing_else():
     registry = Registry(entry_points=lambda: [])
     registry.register(_Plugin(), name="third-party")
-    assert set(registry.mechanisms()) == {"plain", "free_form", "shuffled"}  # no entry points: no built-ins
+    assert set(registry.mechanisms()) == {"plain", "free_form", "quiet"}  # no entry points: no built-ins
 
     def private(name):
         model = _model()
@@ -332,18 +339,11 @@ def test_a_third_party_mechanism_registers_by_name_and_declares_only_an_accounti
         return engine, model, *out
 
     engine, _, gsm, opt, dl = private("plain")
-    _train(gsm, opt, dl, 3)
-    assert engine.accountant.history == [(1.0, 1 / 8, 3)]
-    engine, model, gsm, opt, dl = private("free_form")
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(TypeError, match="not an Accounting"):
-        _train(gsm, opt, dl, 1)
-    assert (
-        all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-        and engine.accountant.history == []
-    )
-    with pytest.raises(ValueError, match="accounts only poisson and cyclic_poisson"):
-        private("shuffled")
+    _train(gsm, opt, dl, 4)
+    assert engine.accountant.history == [(1.0, 2 / 8, 2)]  # computed: b = 2 groups at rate 2q, charged every 2
+    for name, member in (("free_form", "accounting"), ("quiet", "noise")):
+        with pytest.raises(TypeError, match=f"defines {member}: a mechanism contributes strategy"):
+            private(name)
 
 
 def test_a_noise_multiplier_that_changes_during_the_run_is_refused(tmp_path):
@@ -362,5 +362,5 @@ def test_a_noise_multiplier_that_changes_during_the_run_is_refused(tmp_path):
     path = tmp_path / "ck.pt"
     first.save_checkpoint(path=path, module=gsm, optimizer=opt)
     resumed, _, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=12, noise_multiplier=2.0)
-    with pytest.raises(ValueError, match="would misreport epsilon"):
+    with pytest.raises(ValueError, match="inside a band .* changes noise_multiplier"):
         resumed.load_checkpoint(path=path, module=gsm, optimizer=opt)

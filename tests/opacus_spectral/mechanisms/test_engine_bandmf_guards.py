@@ -9,7 +9,8 @@ import pytest
 import torch
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus_spectral.mechanisms.bandmf import BandMFMechanism
-from opacus_spectral.mechanisms.base import Accounting
+from opacus_spectral.mechanisms.realization import realize
+from opacus_spectral.mechanisms.strategy import Accounting, BandedToeplitz
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -61,28 +62,27 @@ def _train(gsm, opt, dl, steps, zero=False):
 
 @pytest.mark.parametrize("bad", [[float("inf"), 0.0], [float("nan"), 0.5], [0.0, 1.0], [-0.6, 0.8]])
 def test_coefficients_that_are_not_finite_or_have_c0_not_positive_are_refused(bad):
-    with pytest.raises(ValueError, match="finite with c_0 > 0"):
+    with pytest.raises(ValueError, match="finite coefficients with c_0 > 0"):
         BandMFMechanism(bands=2, coefficients=bad)
 
 
 def test_given_coefficients_are_charged_sigma_over_kappa():
-    """c = (3, 4): κ = 5, the released noise is M⁻¹z with std σC/3 at the first step, and the accountant is charged
-    DP-SGD with σ/5 (not σ): at σ = 2, (0.4, 2q) every 2 steps."""
-    mechanism = BandMFMechanism(bands=2, coefficients=[3.0, 4.0])
-    assert mechanism.kappa == 5.0
-    mechanism.setup(steps=10, sample_rate=0.1, dataset_size=100)
-    assert mechanism.accounting(2.0, 0.1) == Accounting(0.4, 0.2, 2)
-    engine, gsm, opt, dl = _private(("bandmf", {"bands": 2, "coefficients": [3.0, 4.0]}), noise_multiplier=2.0)
+    """c = (4, 3): κ = 5, the released noise is M⁻¹z with std σC/4 at the first step, and the accountant is charged
+    DP-SGD with σ/5 (not σ): at σ = 2, (0.4, 2q) every 2 steps — computed by the engine from the coefficients."""
+    realized = realize(BandMFMechanism(bands=2, coefficients=[4.0, 3.0]), steps=10, sample_rate=0.1, dataset_size=100)
+    assert realized.kappa == 5.0
+    assert realized.accounting(2.0, 0.1) == Accounting(0.4, 0.2, 2)
+    engine, gsm, opt, dl = _private(("bandmf", {"bands": 2, "coefficients": [4.0, 3.0]}), noise_multiplier=2.0)
     _train(gsm, opt, dl, 4)
     assert engine.accountant.history == [(0.4, 2 / 8, 2)]
-    assert BandMFMechanism(bands=2, coefficients=[0.6, 0.8]).kappa == 1.0
+    assert BandedToeplitz((0.8, 0.6)).kappa == 1.0
 
 
 def test_target_epsilon_is_calibrated_through_kappa():
     """make_private_with_epsilon with coefficients of norm 5 chooses 5× the σ of normalized ones (the charged σ/κ is
     what meets the target), and the run ends at the target."""
     runs = {}
-    for name, coefs in (("unit", [0.6, 0.8]), ("kappa5", [3.0, 4.0])):
+    for name, coefs in (("unit", [0.8, 0.6]), ("kappa5", [4.0, 3.0])):
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         engine = PrivacyEngine(accountant="rdp", noise_seed=3)
@@ -160,7 +160,7 @@ def test_a_resume_with_another_sigma_is_refused_also_with_a_noise_scheduler(tmp_
     engine.save_checkpoint(path=tmp_path / "ck.pt", module=gsm, optimizer=opt)
     resumed, gsm2, opt2, _ = _private(("bandmf", {"bands": 4}), noise_multiplier=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 1.0)  # any object passed as noise_scheduler
-    with pytest.raises(ValueError, match="records noise_multiplier 1.0, but the optimizer it is loaded into uses 0.5"):
+    with pytest.raises(ValueError, match="inside a band .* this run changes noise_multiplier"):
         resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2, noise_scheduler=scheduler)
     with pytest.raises(ValueError, match="without the run's noise multiplier"):
         resumed.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, noise_scheduler=scheduler)
@@ -199,10 +199,10 @@ def test_a_resume_whose_seed_rebuilds_other_groups_is_refused_without_showing_th
     engine.save_checkpoint(path=tmp_path / "ck.pt", module=gsm, optimizer=opt)
     saved = torch.load(tmp_path / "ck.pt", weights_only=False)["opacus_spectral_noise_mechanism"]
     seed = str(saved["partition_seed"])
-    longer = TensorDataset(torch.cat([X, X[:1]]), torch.arange(N + 1))
-    other, gsm2, opt2, _ = _private(("bandmf", {"bands": 4}), seed=None, data=longer)
+    shorter = TensorDataset(X[:-1], torch.arange(N - 1))  # the same rate (8 batches), one record fewer
+    other, gsm2, opt2, _ = _private(("bandmf", {"bands": 4}), seed=None, data=shorter)
     with pytest.raises(ValueError, match="groups rebuilt") as caught:
-        other.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2, sample_rate=1 / 8)
+        other.load_checkpoint(path=tmp_path / "ck.pt", module=gsm2, optimizer=opt2)
     assert seed not in str(caught.value) and other.accountant.history == []  # refused before anything is loaded
     resumed, gsm3, opt3, _ = _private(("bandmf", {"bands": 2}), seed=None)
     with pytest.raises(ValueError, match="noise mechanism") as caught:

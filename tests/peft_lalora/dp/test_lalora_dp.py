@@ -376,3 +376,18 @@ def test_a_controller_refuses_a_dp_optimizer_of_vanilla_opacus_naming_the_fix() 
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # nothing frozen
     AlternationController(model, dp_opt, mode="none")  # nothing toggles: vanilla Opacus trains it
     _one_step(private, dp_opt, dl)
+
+
+def test_export_as_lora_carries_the_privacy_record(tmp_path) -> None:
+    """A DP-trained LALoRA adapter exported as LoRA keeps its record beside it (before: dropped, and a second run on
+    the export reported 4.871 where the composed value was 6.253); from a folder, the folder's record is copied."""
+    from opacus_spectral.accounting.record import load_privacy_record, privacy_record_of, read_privacy_record
+
+    model, private, dp_opt, criterion, dl, ctrl, _, engine = _private("bert", "step", "B", "hooks")
+    _run(model, private, dp_opt, criterion, dl, ctrl, steps=3)
+    out = peft_lalora.export_as_lora(model, tmp_path / "exported", delta=1e-5)
+    assert read_privacy_record(out).runs == privacy_record_of(model).runs != ()
+    again = peft_lalora.export_as_lora(out, tmp_path / "again")
+    assert read_privacy_record(again).runs == read_privacy_record(out).runs
+    fresh = build("bert", alternation="step")
+    assert load_privacy_record(fresh, again).epsilon(1e-5, "rdp") == pytest.approx(engine.get_epsilon(1e-5))

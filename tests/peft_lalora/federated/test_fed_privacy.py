@@ -304,10 +304,12 @@ def test_ledger_bound_is_checked_before_any_accountant_call(monkeypatch):
     ledger = PrivacyLedger(DELTA, "prv")
     ledger.charge(0, 1.0, 0.1, 5)
     monkeypatch.setattr(accountants, "create_accountant", lambda **k: pytest.fail("accountant called"))
-    for bad in ([(1.0, 0.1, 10**9)], [(1.0, 0.1, 1)] * 6, [(0.0, 0.1, 5)], [("x", 0.1, 1)]):
+    bad_reports = ([(1.0, 0.1, 10**9)], [(1.0, 0.1, 1)] * 6, [(0.0, 0.1, 5)], [("x", 0.1, 1)], [(1e-300, 0.1, 5)])
+    for bad in bad_reports:  # the last: σ = 1e-300 made the federation's largest ε infinite
         with pytest.raises(InadmissibleReport):
             ledger.record(0, bad, max_steps=ledger.clients[0].charged_steps)
-    assert ledger.clients[0].history == [] and len(ledger.clients[0].anomalies) == 4
+    assert ledger.clients[0].history == [] and len(ledger.clients[0].anomalies) == 5
+    assert "below 0.1" in ledger.clients[0].anomalies[-1] and math.isfinite(ledger.max_epsilon)
 
 
 # ---------------------------------------------------------------------------------------------- text task, nodes

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from opacus_spectral.audit import GradientCanaries, InputCanaries, audit_scores, gaussian_dp_epsilon
+from opacus_spectral.mechanisms.certificate import certificate_of
 from opacus_spectral.step.oracle import clean_gradients
 from torch import nn
 
@@ -149,8 +150,13 @@ def parse_fault(name: str) -> tuple[str, float]:
 # ------------------------------------------------------------------------------------------------ faults
 def scale_drawn_noise(dp_optimizer: Any, factor: float) -> None:
     """A broken engine: the noise is drawn with σ·factor, while the optimizer (and so the accountant, whose
-    step hook runs after ``add_noise``) keeps reporting σ."""
+    step hook runs after ``add_noise``) keeps reporting σ. The engine's noise certificate would stop such a step
+    before its update (``docs/mechanisms.md``); the audit measures a broken engine that has none, so it is switched
+    off here, on purpose."""
     original = dp_optimizer.add_noise
+    certificate = certificate_of(dp_optimizer)
+    if certificate is not None:
+        certificate.check = lambda optimizer: None
 
     def add_noise() -> None:
         nm = dp_optimizer.noise_multiplier

@@ -1,8 +1,9 @@
 """``dp-bench audit --experiment fdp-bandmf``: the f-DP one-run audit of BandMF runs (``docs/audit.md``, "BandMF").
 
 Arms: ``bandmf:<b>`` is a correct run of ``noise_mechanism=("bandmf", {"bands": b})``; ``bandmf:<b>:kappa=<K>`` is
-a broken one, its coefficients the optimal ones times K — κ = K while its accounting (:class:`MisaccountedBandMF`, on
-purpose) charges κ = 1, so the released noise is K times too small. Every run is the validity experiment's
+a broken one, its coefficients the optimal ones times K — κ = K while its claim (:func:`misaccounted_mu`, on purpose)
+takes κ = 1, so the released noise is K times too small for it. (The engine computes κ itself and charges σ/K, so a
+mechanism cannot misaccount: the broken claim is made here, in the harness.) Every run is the validity experiment's
 (:func:`.audit.validity_run`: the same synthetic data, model, seeds and m white-box canaries) with b·⌈T/b⌉ steps and
 σ = √⌈T/b⌉/μ, so that every arm claims the same
 μ-GDP for a canary.
@@ -29,10 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 from opacus_spectral.audit import GradientCanaries, audit_scores, gaussian_dp_epsilon
-from opacus_spectral.audit.cyclic import whitened_scores
-from opacus_spectral.mechanisms.bandmf import BandMFMechanism
+from opacus_spectral.audit.cyclic import cyclic_claimed_mu, whitened_scores
 from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients
-from opacus_spectral.mechanisms.base import Accounting
+from opacus_spectral.mechanisms.strategy import BandedToeplitz
 from opacus_spectral.step.attachment import BEFORE_NOISE, CANARIES, attachment
 from torch import nn
 
@@ -95,20 +95,18 @@ class CyclicGradientCanaries(GradientCanaries):
         return torch.stack(self._clean)
 
 
-class MisaccountedBandMF(BandMFMechanism):
-    """The broken arm, on purpose: coefficients κ × the optimal ones, charged as if κ were 1 (the library charges
-    σ/κ for coefficients it is given; this override drops the κ)."""
-
-    def accounting(self, noise_multiplier: float, sample_rate: float) -> Accounting:
-        return Accounting(float(noise_multiplier), float(self.bands * sample_rate), self.bands)
+def misaccounted_mu(can: Any, kappa: float) -> float:
+    """The broken arm's claim, on purpose: the canaries' μ with the run's coefficients divided by κ — what an engine
+    that dropped κ would claim (the library's claim, σ/κ, is the correct one)."""
+    unit = BandedToeplitz(tuple(c / kappa for c in can.mechanism.coefficients))
+    return cyclic_claimed_mu(unit, can.noise_multipliers)
 
 
 def _mechanism(bands: int, kappa: float, steps: int) -> Any:
-    """The arm's ``noise_mechanism``: by name when correct, else :class:`MisaccountedBandMF` with κ × the optimal
-    coefficients."""
+    """The arm's ``noise_mechanism``: by name when correct, else BandMF with κ × the optimal coefficients."""
     if kappa == 1.0:
         return ("bandmf", {"bands": bands})
-    return MisaccountedBandMF(bands=bands, coefficients=[kappa * c for c in optimal_coefficients(steps, bands)])
+    return ("bandmf", {"bands": bands, "coefficients": [kappa * c for c in optimal_coefficients(steps, bands)]})
 
 
 def bandmf_run(cfg: Any, data: torch.utils.data.TensorDataset, arm: str, seed: int) -> dict[str, Any]:
@@ -145,7 +143,7 @@ def bandmf_run(cfg: Any, data: torch.utils.data.TensorDataset, arm: str, seed: i
     snj = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence)
     fdp = audit_scores(scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
     release = audit_scores(release_scores, can.included, delta=cfg.delta, confidence=cfg.confidence, bound="fdp")
-    mu = can.claimed_mu()
+    mu = can.claimed_mu() if kappa == 1.0 else misaccounted_mu(can, kappa)
     claimed = gaussian_dp_epsilon(mu, cfg.delta)
     return {
         "method": arm,

@@ -18,7 +18,9 @@ per step) but trains on the fixed batch: the draws are timed, the collation of a
   parallel region can stall when its other thread is descheduled, which inflates the in-step time of many small
   operations; the one-thread figure shows the work without that;
 * the memory of the stream's buffers (``BandStream.memory_bytes()``) against (b − 1) × the trainable parameters'
-  bytes.
+  bytes;
+* the noise certificate (``docs/mechanisms.md``, "The noise certificate"; on by default in every arm): its
+  ``check`` timed inside the step, as a share of the arm's median step (target ≤ 0.5 %).
 
 Before timing, every BandMF stream is primed with b − 1 draws per tensor: the timed steps run at the stream's steady
 state (b − 1 buffers per tensor; until then a step's stream work grows with the buffers held). The per-step cost does
@@ -62,6 +64,7 @@ from ..vision import build as build_vision
 
 BEDS = ("lora", "mlp", "cnn")
 TARGET_SHARE = 0.01  #: the target: noise generation <= 1 % of a DP step
+CERTIFICATE_SHARE = 0.005  #: the target: the noise certificate <= 0.5 % of a DP step
 
 
 @dataclass
@@ -212,6 +215,7 @@ class Arm:
     setup_s: float
     trainable_bytes: int
     _indices: Any = None
+    cert_s: list[float] = field(default_factory=list)
 
     def draw(self) -> list[int]:
         """The next batch's indices from the arm's sampler (a new pass when one ends)."""
@@ -237,6 +241,21 @@ def _time_noise(optimizer: Any, device: torch.device) -> list[float]:
         seconds.append(time.perf_counter() - t0)
 
     optimizer.add_noise = add_noise  # Opacus calls self.add_noise()
+    return seconds
+
+
+def _time_certificate(certificate: Any, device: torch.device) -> list[float]:
+    """Wrap the engine's noise certificate's ``check`` (called from the step hook) to record its seconds per call."""
+    inner, seconds = certificate.check, []
+
+    def check(optimizer: Any) -> None:
+        sync(device)
+        t0 = time.perf_counter()
+        inner(optimizer)
+        sync(device)
+        seconds.append(time.perf_counter() - t0)
+
+    certificate.check = check  # the hook calls certificate.check(optim): the instance attribute wins
     return seconds
 
 
@@ -276,8 +295,12 @@ def make_arm(bed: Bed, bands: int | None, cfg: Config, device: torch.device) -> 
     setup_s = time.perf_counter() - t0
     if bands is not None:
         prime_stream(dp_opt)
+        # the certificate follows the stream's step (primed outside any DP step: nothing released to whiten yet)
+        engine.noise_certificate.t = mechanism_of(dp_opt).stream_step
     nbytes = sum(p.numel() * p.element_size() for p in params)
-    return Arm(gsm, dp_opt, dp_loader, _time_noise(dp_opt, device), setup_s, nbytes)
+    arm = Arm(gsm, dp_opt, dp_loader, _time_noise(dp_opt, device), setup_s, nbytes)
+    arm.cert_s = _time_certificate(engine.noise_certificate, device)
+    return arm
 
 
 def _dp_step(bed: Bed, arm: Arm, batch: tuple[torch.Tensor, ...], device: torch.device) -> None:
@@ -305,6 +328,7 @@ def run_bed(bed: Bed, cfg: Config, device: torch.device) -> dict[str, Any]:
     def clear() -> None:
         for a in arms.values():
             a.noise_s.clear()
+            a.cert_s.clear()
 
     def after(i: int, name: str, seconds: float) -> None:
         print(f"[{bed.name}] step {i} {name}: {seconds:.3f} s", flush=True)
@@ -356,7 +380,11 @@ def summarize(times: dict[str, list[float]], arms: dict[str, Arm], bands: Sequen
             "raw_step_s": times[name],
             "raw_add_noise_s": list(arm.noise_s),
             "setup_s": arm.setup_s,
+            "certificate_s": spread(arm.cert_s),
+            "certificate_share_of_step": statistics.median(arm.cert_s) / statistics.median(times[name]),
         }
+        row = out["arms"][name]
+        row["meets_certificate_share"] = row["certificate_share_of_step"] <= CERTIFICATE_SHARE
     trainable = arms["gaussian"].trainable_bytes
     for b in bands:
         arm, t = arms[f"b{b}"], times[f"b{b}"]
@@ -406,6 +434,12 @@ def tables(result: dict[str, Any]) -> str:
                 f"{r['stream_bytes'] / 2**20:.2f} | "
                 f"{r['expected_bytes'] / 2**20:.2f} |"
             )
+    lines += ["", "| bed | arm | step ms | noise certificate ms | certificate / step |", "|---|---|---|---|---|"]
+    for bed, c in result["beds"].items():
+        for name, a in c["arms"].items():
+            if "certificate_s" in a:  # results stored before the certificate have none
+                share = 100 * a["certificate_share_of_step"]
+                lines.append(f"| {bed} | {name} | {_ms(a['step_s'])} | {_ms(a['certificate_s'])} | {share:.3f} % |")
     return "\n".join(lines) + "\n"
 
 

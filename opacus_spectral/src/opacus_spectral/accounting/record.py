@@ -49,7 +49,6 @@ __all__ = [
 RECORD_FILE = "privacy_record.json"
 FORMAT, VERSION = "opacus_spectral.accounting.record", 1
 SAMPLERS = ("poisson", "shuffle", "cyclic_poisson")
-MECHANISMS = ("gaussian", "bandmf")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 MODEL_ATTR = "_opacus_spectral_privacy_record"  #: the ledger on the user's model
 ENGINE_ATTR = "_opacus_spectral_privacy_ledger"  #: the ledger of the engine's last make_private
@@ -170,7 +169,72 @@ def _steps(history: Iterable[Sequence[Any]]) -> int:
 # -- in memory -----------------------------------------------------------------------------------------------
 def _ledger(obj: Any) -> _Ledger | None:
     found = getattr(obj, ENGINE_ATTR, None) if hasattr(obj, ENGINE_ATTR) else None
-    return found if found is not None else getattr(unwrap(obj), MODEL_ATTR, None)
+    return found if found is not None else _model_ledger(unwrap(obj))
+
+
+# -- in the model's configs -----------------------------------------------------------------------------------
+#: where a record travels without this library in the loop: the attribute of the model's Hugging Face config
+#: (``config.json``: ``save_pretrained``, ``push_to_hub``, ``from_pretrained``, ``merge_and_unload``) and the field
+#: of a LALoRA adapter's config (``adapter_config.json``: ``PeftModel.save_pretrained`` / ``from_pretrained``)
+CONFIG_ATTR, ADAPTER_FIELD = "opacus_spectral_privacy_record", "privacy_record"
+
+
+class LiveRecord:
+    """A model's record as its configs hold it: whenever a config is serialized (``to_dict`` deep-copies it) it
+    becomes the record's JSON at that moment, so a save never writes a stale ε."""
+
+    def __init__(self, ledger: _Ledger) -> None:
+        self.ledger = ledger
+
+    def __deepcopy__(self, memo: Any) -> dict[str, Any] | None:
+        record = self.ledger.record()
+        return record.to_json() if record.runs else None
+
+    def __repr__(self) -> str:
+        return f"LiveRecord({len(self.ledger.record().runs)} runs)"
+
+
+def _carriers(model: Any) -> list[tuple[Any, str]]:
+    """``(config, attribute)`` of every config that carries ``model``'s record: its (base) model's Hugging Face config
+    and each adapter config with a :data:`ADAPTER_FIELD` field (LALoRA's)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    found = []
+    config = getattr(base, "config", None)
+    if config is not None and callable(getattr(config, "to_dict", None)) and not isinstance(config, dict):
+        found.append((config, CONFIG_ATTR))
+    peft_configs = getattr(model, "peft_config", None)
+    for adapter in peft_configs.values() if isinstance(peft_configs, dict) else ():
+        if hasattr(adapter, ADAPTER_FIELD):
+            found.append((adapter, ADAPTER_FIELD))
+    return found
+
+
+def _bind(model: Any, ledger: _Ledger) -> None:
+    """Make ``model``'s configs carry ``ledger``'s record (:class:`LiveRecord`)."""
+    setattr(model, MODEL_ATTR, ledger)
+    for config, attr in _carriers(model):
+        setattr(config, attr, LiveRecord(ledger))
+
+
+def _model_ledger(model: Any) -> _Ledger | None:
+    """The ledger ``model`` carries: its own, a live one its configs share (a merged model's), or the runs its configs
+    were loaded with (``from_pretrained`` of a saved model or adapter) — attached on the way."""
+    ledger = getattr(model, MODEL_ATTR, None)
+    if ledger is not None:
+        return ledger
+    runs: list[PrivacyRun] = []
+    for config, attr in _carriers(model):
+        held = getattr(config, attr, None)
+        if isinstance(held, LiveRecord):
+            _bind(model, held.ledger)
+            return held.ledger
+        if held is not None:
+            runs = merge_runs(runs, parse_record(held).runs)
+    if not runs:
+        return None
+    ledger = _Ledger(runs)
+    _bind(model, ledger)
+    return ledger
 
 
 def privacy_record_of(model_or_engine: Any) -> PrivacyRecord | None:
@@ -182,7 +246,7 @@ def privacy_record_of(model_or_engine: Any) -> PrivacyRecord | None:
 
 def prior_history(engine: Any, module: Any, *, new_privacy_unit: bool = False) -> list[Entry]:
     """The history ``engine.make_private(module=module, ...)`` will start its accountant with."""
-    ledger = getattr(unwrap(module), MODEL_ATTR, None)
+    ledger = _model_ledger(unwrap(module))
     if new_privacy_unit or ledger is None or (ledger.live is not None and ledger.live.accountant is engine.accountant):
         return []
     return ledger.record().history()
@@ -204,7 +268,7 @@ def compose_privacy_record(
     if module is None:
         return
     model = unwrap(module)
-    old = getattr(model, MODEL_ATTR, None)
+    old = _model_ledger(model)
     if old is not None and old.live is not None and old.live.accountant is engine.accountant:
         if new_privacy_unit and engine.accountant.history:
             raise ValueError(
@@ -232,7 +296,7 @@ def compose_privacy_record(
         engine.accountant.history = list(prefix) + list(engine.accountant.history)
     mechanism = "gaussian" if noise is None else noise.name
     ledger = _Ledger(runs, _LiveRun(uuid.uuid4().hex, unit, engine.accountant, prefix, sampler, size, None, mechanism))
-    setattr(model, MODEL_ATTR, ledger)
+    _bind(model, ledger)
     setattr(engine, ENGINE_ATTR, ledger)
 
 
@@ -386,9 +450,9 @@ def load_privacy_record(model: Any, folder: str | os.PathLike[str]) -> PrivacyRe
     so that the next ``make_private`` / ``DPTrainer`` on it composes with it. Returns the model's record."""
     loaded = read_privacy_record(folder)
     model = unwrap(model)
-    ledger = getattr(model, MODEL_ATTR, None)
+    ledger = _model_ledger(model)
     if ledger is None:
-        setattr(model, MODEL_ATTR, _Ledger(list(loaded.runs)))
+        _bind(model, _Ledger(list(loaded.runs)))
         return loaded
     if ledger.live is not None:
         known = {r.id: r for r in ledger.record().runs}
@@ -456,9 +520,12 @@ def parse_run(data: Any, i: int = 0) -> PrivacyRun:
         raise ValueError(f"{where}: id must be 32 lowercase hex digits")
     if not _is_int(unit) or unit < 0:
         raise ValueError(f"{where}: unit must be an integer >= 0")
-    for key, allowed in (("sampler", SAMPLERS), ("mechanism", MECHANISMS), ("accountant", ACCOUNTANTS)):
+    for key, allowed in (("sampler", SAMPLERS), ("accountant", ACCOUNTANTS)):
         if data[key] not in allowed:
             raise ValueError(f"{where}: {key} must be one of {allowed}, got {data[key]!r}")
+    mechanism = data["mechanism"]  # any registered mechanism's name: the ε follows from the history, not from it
+    if not (isinstance(mechanism, str) and mechanism.isidentifier() and len(mechanism) <= 64):
+        raise ValueError(f"{where}: mechanism must be a mechanism's name (an identifier), got {mechanism!r}")
     if data["delta"] is not None:
         _check_delta(data["delta"], f"{where}: delta")
     size = data["dataset_size"]

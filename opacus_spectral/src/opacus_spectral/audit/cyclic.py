@@ -4,7 +4,8 @@ participation and correlated noise.
 A canary of group g takes part at the steps t ≡ g (mod b) only — at most ⌈T/b⌉ times, b apart: the participation the
 BandMF analysis bounds (arXiv 2306.08153, Thm 1 and 4–5), here at the within-group rate 1. A b-banded M with unit
 columns has disjoint column supports at such steps, so the canary's sensitivity is ‖M·x_g‖ ≤ √⌈T/b⌉ whatever the
-data: its claim is exactly μ-GDP, from the mechanism's own :class:`~opacus_spectral.mechanisms.base.Accounting`.
+data: its claim is exactly μ-GDP, from the :class:`~opacus_spectral.mechanisms.strategy.Accounting` the engine computes
+for the strategy.
 The score whitens the release y (its noise is σ·M⁻¹z): M·y = M·x_g·[included] + M·(data) + σz.
 """
 
@@ -36,16 +37,17 @@ def whitened_scores(values: torch.Tensor, groups: torch.Tensor, coefficients: Se
     return per_group[groups, torch.arange(m)] - 0.5 * (signal**2).sum(1)[groups]
 
 
-def cyclic_claimed_mu(mechanism: Any, noise_multipliers: Sequence[float]) -> float:
-    """μ of the μ-GDP claim for a canary in every step of its group over the observed steps: the mechanism's
-    Accounting at the within-group rate 1 (loader rate 1/b) — DP-SGD with (σ′, 1, ⌈T/b⌉), μ = √(Σ σ′⁻²) over the
+def cyclic_claimed_mu(strategy: Any, noise_multipliers: Sequence[float]) -> float:
+    """μ of the μ-GDP claim for a canary in every step of its group over the observed steps: the ``strategy``'s
+    (a :class:`~opacus_spectral.mechanisms.strategy.BandedToeplitz` or the run's realization) Accounting at the
+    within-group rate 1 (loader rate 1/b) — DP-SGD with (σ′, 1, ⌈T/b⌉), μ = √(Σ σ′⁻²) over the
     steps it charges; ``inf`` after a charged step without noise. One σ for the whole run (as the engine enforces):
     with σ changing, a canary's whitened sensitivity would mix the σ of neighbouring steps."""
-    if len(set(noise_multipliers)) > 1 and mechanism.sample_rate_factor > 1:
+    if len(set(noise_multipliers)) > 1 and strategy.bands > 1:
         raise ValueError(f"a BandMF canary claim needs one noise multiplier for the run, got {set(noise_multipliers)}")
     inverse_squares = []
     for t, sigma in enumerate(noise_multipliers):
-        acc = mechanism.accounting(sigma, 1.0 / mechanism.sample_rate_factor)
+        acc = strategy.accounting(sigma, 1.0 / strategy.bands)
         if not math.isclose(acc.sample_rate, 1.0, rel_tol=1e-12):
             raise ValueError(f"the canaries' rate within a group must be 1, the accounting says {acc.sample_rate}")
         if acc.charge(t):

@@ -40,7 +40,6 @@ import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
-from ..mechanisms.bandmf import BandMFMechanism
 from ..mechanisms.install import mechanism_of
 from ..step.attachment import BEFORE_INNER_STEP, BEFORE_NOISE, CANARIES, InnerStep, attachment
 from ..step.installation import HANDLE_ATTR
@@ -320,14 +319,7 @@ def _cyclic_setup(opt: DPOptimizer, sample_rate: float, groups: str) -> tuple[An
     if groups not in ("first", "spread"):
         raise ValueError(f"groups must be 'first' or 'spread', got {groups!r}")
     mechanism = mechanism_of(opt)
-    bands = 1 if mechanism is None else int(mechanism.sample_rate_factor)
-    if (bands > 1 or (mechanism is not None and mechanism.correlated)) and not isinstance(mechanism, BandMFMechanism):
-        raise NotImplementedError(
-            f"gradient canaries know the cyclic sampling and correlated noise of BandMF only, not of "
-            f"{type(mechanism).__name__}"
-        )
-    if bands > 1 and mechanism.coefficients is None:
-        raise RuntimeError("the BandMF mechanism is not set up yet: attach the canaries after make_private")
+    bands = 1 if mechanism is None else int(mechanism.bands)  # every mechanism is a realized banded Toeplitz
     if bands > 1 and sample_rate < 1.0:
         raise ValueError(
             "on a BandMF run the canaries take part in every step of their group (sample_rate=1): a subsampled "

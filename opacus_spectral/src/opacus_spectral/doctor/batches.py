@@ -167,10 +167,17 @@ class BatchObserver:
 
     def _rows_differ(self, rows: int, records: int) -> str:
         return (
-            f"the per-sample gradients of DP step {self.steps} have {rows} rows, but the batch the DP data loader "
-            f"yielded for it holds {records} records: Opacus clipped {rows} 'samples' that are not the batch's "
+            f"the per-sample gradients of DP step {self.steps} do not have one row per record of the batch the DP "
+            f"data loader yielded for it ({_ratio(rows, records)}): Opacus clipped 'samples' that are not the batch's "
             "records, so one record's influence on the update is no longer bounded by max_grad_norm. Cause: the "
             "model takes its input sequence-first ([T, B, ...]) while make_private assumed batch_first=True, or the "
             "batch was reshaped or repeated before the forward. Fix: make_private(..., batch_first=False) for a "
             "sequence-first model, or feed the batch as the loader yields it."
         )
+
+
+def _ratio(rows: int, records: int) -> str:
+    """How the rows relate to the records, without either count (the sampled batch size is private)."""
+    if records and rows % records == 0:
+        return f"{rows // records} rows per record"
+    return "more rows than records" if rows > records else "fewer rows than records"

@@ -251,7 +251,9 @@ def _check_hub_checkpoints(a: "DPTrainingArguments") -> None:
         return
     strategy = str(getattr(a.hub_strategy, "value", a.hub_strategy))
     mechanism = get_registry().create_mechanism(spec)
-    if strategy in ("checkpoint", "all_checkpoints") and mechanism.sample_rate_factor > 1:
+    # a strategy's bands are known once the run's length is: a mechanism that does not state one band (bandmf's
+    # ``bands``) is taken to sample in groups
+    if strategy in ("checkpoint", "all_checkpoints") and getattr(mechanism, "bands", None) != 1:
         raise ValueError(
             f"push_to_hub with hub_strategy={strategy!r} uploads the checkpoints, whose DP state holds the "
             f"{mechanism.name} partition seed: with the record-to-group assignment public the ε holds for zero-out "

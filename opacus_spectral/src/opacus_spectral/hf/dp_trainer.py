@@ -372,7 +372,7 @@ class DPTrainer(Trainer):
         if task == "sequence_classification":
             if logits.dim() != 2:
                 raise ValueError(
-                    f"ghost clipping: logits {tuple(logits.shape)} with labels {tuple(labels.shape)} "
+                    f"ghost clipping: logits of {logits.dim()} dimensions with labels of {labels.dim()} "
                     "are not sequence classification; pass DPTrainer(task=...)"
                 )
             return self._dp_criterion(logits, labels)
@@ -426,9 +426,7 @@ class DPTrainer(Trainer):
                     stacklevel=2,
                 )
         if self._dp is not None:
-            logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.args.target_delta)
-            if self.privacy_engine.accountant.mechanism() == "gdp":  # an approximation, not a bound (.accounting)
-                logs["epsilon_approximate"] = True
+            logs["epsilon"], logs["delta"] = self.get_epsilon(), float(self.args.target_delta)  # a bound (gdp: PRV's)
         super().log(logs, start_time)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -514,7 +512,9 @@ class DPTrainer(Trainer):
             "target_epsilon": None if self.args.target_epsilon is None else float(self.args.target_epsilon),
             "grad_sample_mode": self.args.grad_sample_mode,
             "denoisers": None if handle is None else [denoiser_name(d) for d in handle.denoisers],
-            "noise_mechanism": {"name": "gaussian"} if run is None else run.mechanism.describe(),
+            "noise_mechanism": {"name": "gaussian"}
+            if run is None
+            else {**run.mechanism.describe(), "steps": run.steps},
         }
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:

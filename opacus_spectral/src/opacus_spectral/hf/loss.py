@@ -88,7 +88,7 @@ def task_of_batch(labels: torch.Tensor | None) -> str:
     sequence classification; token-level integer labels are refused (next-token or per-position?)."""
     if labels is not None and labels.dim() > 1 and not labels.is_floating_point():
         raise ValueError(
-            f"token-level labels {tuple(labels.shape)} for a model whose task DPTrainer cannot tell: pass "
+            f"token-level labels ({labels.dim()} dimensions) for a model whose task DPTrainer cannot tell: pass "
             "DPTrainer(task='causal_lm') (next-token prediction, labels shifted by one) or "
             "task='token_classification' (one label per position). Each example's loss is then its own mean over "
             "its tokens, never the model's mean over the batch's tokens (which couples the examples)."
@@ -107,8 +107,9 @@ def token_example_loss(
     (no shift; 0 for an example without any)."""
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(
-            f"token classification pairs logits (batch, seq_len, classes) with labels (batch, seq_len); got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+            f"token classification pairs logits (batch, seq_len, classes) with labels (batch, seq_len); got logits of "
+            f"{logits.dim()} dimensions and labels of {labels.dim()} whose (batch, seq_len) differ (the shapes are "
+            "not shown: they come from the sampled batch)"
         )
     targets = labels if attention_mask is None else labels.masked_fill(attention_mask == 0, ignore_index)
     batch, steps, classes = logits.shape

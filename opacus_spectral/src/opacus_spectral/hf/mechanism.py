@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from ..mechanisms.realization import realize
 from ..plugins.registry import get_registry
 
 __all__ = [
@@ -79,13 +80,13 @@ def check_mechanism(value: Any) -> None:
 
 
 def accounting_of(value: Any, sample_rate: float, *, steps: int, dataset_size: int) -> Any:
-    """The mechanism's accounting at noise multiplier 1 and the loader's rate q for a run of ``steps`` DP steps
-    (:class:`~opacus_spectral.mechanisms.base.Accounting`: rate q′ and one accountant step every ``every`` DP
-    steps): what σ is calibrated and the budget counted with. ``"gaussian"``: (q, every 1). The mechanism is set up
-    first, so its refusals (``bandmf``: b > T, b·q > 1) come before any accounting."""
+    """The accounting of the mechanism's realized strategy at noise multiplier 1 and the loader's rate q for a run of
+    ``steps`` DP steps (:class:`~opacus_spectral.mechanisms.strategy.Accounting`: rate q′ and one accountant step
+    every ``every`` DP steps): what σ is calibrated and the budget counted with. ``"gaussian"``: (q, every 1). The
+    strategy is realized first, so its refusals (b > T, b·q > 1, an unstable strategy) come before any accounting."""
     mechanism = get_registry().create_mechanism(mechanism_spec(value) or GAUSSIAN)
-    mechanism.setup(steps=steps, sample_rate=sample_rate, dataset_size=dataset_size)
-    return mechanism.accounting(1.0, sample_rate)
+    realized = realize(mechanism, steps=steps, sample_rate=sample_rate, dataset_size=dataset_size)
+    return realized.accounting(1.0, sample_rate)
 
 
 def accounted(dp_steps: int, every: int) -> int:

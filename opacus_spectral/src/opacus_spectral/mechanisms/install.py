@@ -1,7 +1,7 @@
-"""Putting a noise mechanism on what ``make_private`` builds (``docs/mechanisms.md``): its loader (cyclic Poisson
-sampling), its noise (the optimizer's ``add_noise``), its accountant hook (:class:`~.base.Accounting`, charged per DP
-step) and the noise std denoisers are calibrated with. The default ``"gaussian"`` installs nothing: training is
-bit-identical to Opacus'.
+"""Putting a realized strategy (:mod:`.realization`) on what ``make_private`` builds (``docs/mechanisms.md``): its
+loader (cyclic Poisson sampling), its noise (the optimizer's ``add_noise``, from the engine's own draw), its accountant
+hook (the :class:`~.strategy.Accounting` the engine computes from the strategy, charged per DP step) and the noise std
+denoisers are calibrated with. The default ``"gaussian"`` installs nothing: training is bit-identical to Opacus'.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, 
 from torch.utils.data import DataLoader
 
 from ..accounting.bounds import charge_log
-from .base import SAMPLERS, Accounting, NoiseMechanism
+from .base import NoiseMechanism, check_contract
 from .cyclic import CyclicPoissonSampler, partition, partition_digest
+from .realization import Realization, realize
 
 __all__ = [
     "MECHANISM_ATTR",
@@ -50,7 +51,7 @@ class CyclicLoader(DataLoader):
 
 
 def cyclic_loader(
-    dp_loader: Any, mechanism: NoiseMechanism, *, partition_seed: int, shard: tuple[int, int] = (0, 1)
+    dp_loader: Any, mechanism: Realization, *, partition_seed: int, shard: tuple[int, int] = (0, 1)
 ) -> CyclicLoader:
     """The loader of ``dp_loader``'s dataset that samples group t mod b at step t (rate b·B/N within the group;
     under DDP, ``shard`` = (rank, world size): this rank's share of the group)."""
@@ -82,9 +83,9 @@ def cyclic_loader(
 
 
 def accountant_hook(
-    accountant: Any, mechanism: NoiseMechanism, count: Callable[[int], None], loader: Any = None
+    accountant: Any, mechanism: Realization, count: Callable[[int], None], loader: Any = None
 ) -> Callable:
-    """The accountant's step hook under ``mechanism``: at DP step t, what its :class:`~.base.Accounting` charges
+    """The accountant's step hook under ``mechanism``: at DP step t, what its :class:`~.strategy.Accounting` charges
     (DP-SGD's (σ′, q′) at every ``every``-th step), reported to the engine's count and to the doctor. With ``loader``
     (a cyclic loader), each step must train on the group batch the loader drew last (:func:`check_in_step`)."""
     state = {"step": 0}
@@ -98,15 +99,8 @@ def accountant_hook(
             )
         check_in_step(loader, state["step"])
         sigma, q = float(optim.noise_multiplier), 1 / _loader_len(optim)
-        acc = mechanism.accounting(sigma, q)
-        if not isinstance(acc, Accounting):  # the one form the library computes exactly: never a free-form ε
-            raise TypeError(f"noise mechanism {mechanism.name!r} declared accounting {acc!r}, not an Accounting")
-        unit = mechanism.accounting(1.0, q).noise_multiplier
-        if not math.isclose(acc.noise_multiplier, sigma * unit, rel_tol=1e-9, abs_tol=1e-12):
-            raise TypeError(  # σ is calibrated by σ′ = σ × (σ′ at σ = 1): make_private_with_epsilon, DPTrainer
-                f"noise mechanism {mechanism.name!r} charges σ′ = {acc.noise_multiplier} at σ = {sigma} but "
-                f"{unit} at σ = 1: an accounting's noise multiplier must be proportional to σ"
-            )
+        acc = mechanism.accounting(sigma, q)  # computed from the strategy (.strategy), never declared
+        state["sigma"], state["clip"] = sigma, float(optim.max_grad_norm)  # the DP state's facts (checkpoints)
         if acc.every > 1:
             _check_constant(state, acc.noise_multiplier, float(optim.max_grad_norm), mechanism.name)
         charged = acc.charge(state["step"])
@@ -184,7 +178,7 @@ def check_replaceable(cls: type, name: str) -> None:
         )
 
 
-def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_epoch: int) -> None:
+def install_noise(optimizer: DPOptimizer, mechanism: Realization, steps_per_epoch: int) -> None:
     """Replace the optimizer's ``add_noise`` by Opacus' own, with each tensor's i.i.d. draw passed through the
     mechanism; the stream advances for every parameter the optimizer holds, frozen ones included (their draw is
     discarded). Under DDP (hooks or ghost) only rank 0 adds noise, as Opacus' distributed optimizers do."""
@@ -219,7 +213,8 @@ def install_noise(optimizer: DPOptimizer, mechanism: NoiseMechanism, steps_per_e
     optimizer.add_noise = add_noise  # an instance attribute: Opacus calls self.add_noise()
 
 
-def mechanism_of(optimizer: Any) -> NoiseMechanism | None:
+def mechanism_of(optimizer: Any) -> Realization | None:
+    """The realization of the run's strategy on ``optimizer`` (``None``: Opacus' own noise)."""
     return getattr(optimizer, MECHANISM_ATTR, None)
 
 
@@ -260,10 +255,12 @@ class MechanismRun:
 
     def __init__(self, mechanism: NoiseMechanism, *, steps: int | None, epochs: float | None, partition_seed: int):
         self.mechanism = mechanism
+        self.realization: Realization | None = None  #: the strategy realized for this run (check_setup / build_loader)
         self._length = (steps, epochs)
         self.partition_seed = int(partition_seed)
         self.loader: Any = None
         self.hook: Any = None
+        self.certificate: Any = None  #: the engine's noise certificate of this run (reset with the stream)
 
     @classmethod
     def create(
@@ -275,62 +272,69 @@ class MechanismRun:
             if steps is not None or epochs is not None:
                 raise ValueError("steps= / epochs= size a noise mechanism's run: they need noise_mechanism='bandmf'")
             return None
-        mechanism = registry.create_mechanism(spec)
-        if mechanism.sampler not in SAMPLERS:
-            raise ValueError(
-                f"noise mechanism {mechanism.name!r} declares sampler {mechanism.sampler!r}: the engine accounts only "
-                f"{' and '.join(SAMPLERS)} sampling"
-            )
+        mechanism = check_contract(registry.create_mechanism(spec))
         if not setting.get("poisson_sampling", True):
             raise ValueError(
-                f"noise_mechanism={mechanism.name!r} is accounted for {mechanism.sampler.replace('_', ' ')} sampling "
-                "only: leave poisson_sampling=True (the engine builds the sampler)"
+                f"noise_mechanism={mechanism.name!r} is accounted for the (cyclic) Poisson sampling the engine builds "
+                "only: leave poisson_sampling=True"
             )
         if setting.get("accountant") == "gdp":
             raise ValueError(f"noise_mechanism={mechanism.name!r} needs an upper-bound accountant: 'prv' or 'rdp'")
         return cls(mechanism, steps=steps, epochs=epochs, partition_seed=seed())
 
+    @property
+    def steps(self) -> int | None:
+        """The run's length the strategy was realized for (``None``: not given, or not realized yet)."""
+        return None if self.realization is None else self.realization.steps
+
+    def realize(self, data_loader: Any) -> Realization:
+        """The mechanism's strategy for this run, realized (once per run; a fresh stream for every ``make_private``,
+        whatever mechanism object it was given)."""
+        if self.realization is None:
+            steps_per_epoch = len(data_loader)
+            self.realization = realize(
+                self.mechanism,
+                steps=steps_of(*self._length, steps_per_epoch),
+                sample_rate=1 / steps_per_epoch,
+                dataset_size=len(data_loader.dataset),
+            )
+        return self.realization
+
     def build_loader(self, dp_loader: Any, *, distributed: bool = False) -> Any:
-        """Set the mechanism up for this run and return the loader it samples with (under DDP: every rank with rank
-        0's partition seed, sampling its share of each group)."""
-        steps_per_epoch = len(dp_loader)
-        self.mechanism.setup(
-            steps=steps_of(*self._length, steps_per_epoch),
-            sample_rate=1 / steps_per_epoch,
-            dataset_size=len(dp_loader.dataset),
-        )
-        if self.mechanism.sampler == "cyclic_poisson":
-            shard = (0, 1)
-            if distributed and dist.is_available() and dist.is_initialized():
-                shard = (dist.get_rank(), dist.get_world_size())
-                self.partition_seed = agreed_seed(self.partition_seed)
-            self.loader = cyclic_loader(dp_loader, self.mechanism, partition_seed=self.partition_seed, shard=shard)
-            return self.loader
-        self.loader = dp_loader
-        return dp_loader
+        """Realize the strategy for this run and return the loader it samples with: cyclic Poisson sampling of
+        group t mod b (b = 1: Poisson over every record; under DDP: every rank with rank 0's partition seed,
+        sampling its share of each group)."""
+        realization = self.realize(dp_loader)
+        shard = (0, 1)
+        if distributed and dist.is_available() and dist.is_initialized():
+            shard = (dist.get_rank(), dist.get_world_size())
+            self.partition_seed = agreed_seed(self.partition_seed)
+        self.loader = cyclic_loader(dp_loader, realization, partition_seed=self.partition_seed, shard=shard)
+        return self.loader
 
     def check_setup(self, optimizer_class: type | None, data_loader: Any) -> None:
         """Before ``make_private`` builds anything: the optimizer class it will build (None: Opacus refuses the
         combination itself) must be one whose noise the mechanism can replace; ghost clipping needs ``num_workers=0``
         under a cyclic sampler with b > 1 (:func:`ghost_workers_error`)."""
+        realization = None if data_loader is None else self.realize(data_loader)  # the strategy's refusals first
         if optimizer_class is None:
             return
         check_replaceable(optimizer_class, self.mechanism.name)
         workers = getattr(data_loader, "num_workers", 0)
-        cyclic = self.mechanism.sampler == "cyclic_poisson" and self.mechanism.sample_rate_factor > 1
+        cyclic = realization is not None and realization.bands > 1
         if cyclic and workers > 0 and issubclass(optimizer_class, DPOptimizerFastGradientClipping):
             raise ghost_workers_error(self.mechanism.name)
 
     def accountant_hook(self, accountant: Any, count: Callable[[int], None]) -> Callable:
-        self.hook = accountant_hook(accountant, self.mechanism, count, self.loader)
+        self.hook = accountant_hook(accountant, self.realization, count, self.loader)
         return self.hook
 
     def install(self, optimizer: DPOptimizer) -> None:
-        install_noise(optimizer, self.mechanism, len(self.loader))
+        install_noise(optimizer, self.realization, len(self.loader))
 
     def check_denoisers(self, denoisers: Any) -> None:
         """Denoisers that assume noise independent across steps refuse a correlated mechanism."""
-        if not self.mechanism.correlated:
+        if not self.realization.correlated:
             return
         bad = [type(d).__name__ for d in denoisers if getattr(d, "assumes_independent_noise", False)]
         if bad:
@@ -341,26 +345,36 @@ class MechanismRun:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """The mechanism's settings, the partition (its seed, secret, and a digest that a resume checks) and the
-        step in the group cycle; never the noise buffers."""
+        """The mechanism's settings and realized strategy (coefficients, κ), the partition (its seed, secret, and a
+        digest that a resume checks) and the step in the group cycle; never the noise buffers."""
         sampler = None if self.loader is None else self.loader.batch_sampler
+        state = {} if self.hook is None else self.hook.state
         return {
-            **self.mechanism.describe(),
+            **self.realization.state(),
+            "sample_rate": None if self.loader is None else 1 / len(self.loader),  # the loader's q: a fact of the run
+            "noise_multiplier": state.get("sigma"),  # the optimizer's σ and C at the last charge
+            "max_grad_norm": state.get("clip"),
             "partition_seed": self.partition_seed,
             "partition_digest": partition_digest(sampler.parts) if isinstance(sampler, CyclicPoissonSampler) else None,
             "step": 0 if self.hook is None else int(self.hook.state["step"]),
         }
 
-    def check_state(self, state: Any, where: str) -> None:
+    def check_state(self, state: Any, where: str, facts: dict[str, Any] | None = None) -> None:
         """Refuse (before anything is loaded) a checkpoint of another mechanism, or one whose partition seed rebuilds
         other groups on this data (another dataset size, a torch whose generator draws differently): resuming would
-        put records in other groups, at steps the accounting does not cover. No message shows the seed."""
-        ours = self.mechanism.describe()
+        put records in other groups, at steps the accounting does not cover. Mid-band (its step not a multiple of b)
+        the loader's rate and ``facts`` (the resumed optimizer's σ and C) must equal the checkpoint's: the band's one
+        charge covers one (σ, C, q) — a change is accounted exactly only at a band boundary. No message shows the
+        seed."""
+        ours = self.realization.state()
         theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else state
         if theirs != ours:
             raise ValueError(
-                f"{where}: the checkpoint was trained with noise mechanism {theirs!r}, this run uses {ours}"
+                f"{where}: the checkpoint was trained with noise mechanism {_shown(theirs)}, this run uses "
+                f"{_shown(ours)} (a resume must realize the same strategy: the same mechanism, settings and "
+                "coefficients)"
             )
+        self._check_mid_band(state, where, facts or {})
         sampler = self.loader.batch_sampler
         if isinstance(sampler, CyclicPoissonSampler):
             rebuilt = partition(len(self.loader.dataset), sampler.groups, int(state["partition_seed"]))
@@ -370,6 +384,20 @@ class MechanismRun:
                     "(another dataset size, or a torch whose generator draws differently): resuming would put records "
                     "in other groups, at steps the accounting does not cover"
                 )
+
+    def _check_mid_band(self, state: dict[str, Any], where: str, facts: dict[str, Any]) -> None:
+        step, bands = int(state.get("step", 0)), self.realization.bands
+        if bands == 1 or step % bands == 0:
+            return
+        now = {"sample_rate": 1 / len(self.loader), **facts}
+        changed = [k for k, v in now.items() if v is not None and not _same(state.get(k), v)]
+        if changed:
+            raise ValueError(
+                f"{where}: the checkpoint stops inside a band (step {step % bands} of {bands}), and this run changes "
+                f"{', '.join(changed)}: the band's one charge covers one noise multiplier, clipping bound and sample "
+                f"rate, so a change is accounted exactly only at a band boundary (a multiple of {bands} steps). "
+                "Resume with the checkpoint's settings"
+            )
 
     def load_state_dict(self, state: Any, where: str) -> None:
         """A resumed run (:meth:`check_state` first): the same mechanism and partition, the group cycle continued, a
@@ -383,4 +411,17 @@ class MechanismRun:
             sampler.step = int(state["step"])
         if self.hook is not None:
             self.hook.state["step"] = int(state["step"])
-        self.mechanism.reset()
+        self.realization.reset()
+        if self.certificate is not None:
+            self.certificate.reset()
+
+
+def _shown(state: Any) -> str:
+    """A mechanism's state for a message: its settings and κ, without the list of coefficients."""
+    if not isinstance(state, dict):
+        return repr(state)
+    return repr({k: v for k, v in state.items() if k != "coefficients"})
+
+
+def _same(saved: Any, now: Any) -> bool:
+    return isinstance(saved, (int, float)) and math.isclose(float(saved), float(now), rel_tol=1e-12, abs_tol=0.0)

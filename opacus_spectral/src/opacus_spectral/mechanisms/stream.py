@@ -50,8 +50,8 @@ class BandStream:
 
     def advance(self, key: Hashable, z: torch.Tensor) -> torch.Tensor:
         """x_t for tensor ``key`` from this step's i.i.d. draw ``z``, in z's dtype (computed in at least float32)."""
-        if self.bands == 1:
-            return z
+        if self.bands == 1:  # x_t = z_t / c_0; c_0 = 1 is DP-SGD, bit for bit
+            return z if self.coefficients[0] == 1.0 else z / self.coefficients[0]
         ring = self._history.get(key)
         if ring is None:
             ring = self._history[key] = _Ring(self.coefficients, z)

@@ -160,6 +160,12 @@ class Registry:
                 results.append((plugin_name, res))
         return results
 
+    def _is_builtin(self, plugin_name: str) -> bool:
+        """Whether ``plugin_name`` is this library's own built-ins module (however it was registered)."""
+        from . import builtins  # noqa: PLC0415 - the built-ins module imports this one's package
+
+        return self.pm.get_plugin(plugin_name) is builtins
+
     # -- denoisers -------------------------------------------------------------------------------------
     def denoisers(self) -> dict[str, DenoiserInfo]:
         with self._lock:
@@ -175,10 +181,13 @@ class Registry:
             return dict(self._mechanisms)
 
     def _table(self, hook_name: str, kind: str) -> dict[str, DenoiserInfo]:
-        """``{name: factory}`` answers of one hook, each checked; a duplicate name is a load error (first kept)."""
+        """``{name: factory}`` answers of one hook, each checked; a duplicate name is a load error naming both
+        sources, and the first is kept — the built-ins' first whatever the import or registration order, so no
+        plugin can replace a built-in name."""
         stage = hook_name.removeprefix("opacus_spectral_")
         table: dict[str, DenoiserInfo] = {}
-        for plugin_name, provided in self._call_each(hook_name):
+        answers = sorted(self._call_each(hook_name), key=lambda answer: not self._is_builtin(answer[0]))
+        for plugin_name, provided in answers:
             dist = self._dist.get(plugin_name)
             if not isinstance(provided, Mapping):
                 self._fail(plugin_name, dist, stage, TypeError("hook must return {name: factory}"))
@@ -192,7 +201,12 @@ class Registry:
                         plugin_name,
                         dist,
                         stage,
-                        ValueError(f"{kind} name {name!r} already provided by plugin {other.plugin!r}"),
+                        ValueError(
+                            f"{kind} name {name!r} is provided by plugin {other.plugin!r} "
+                            f"({_source(other.distribution)}) and by plugin {plugin_name!r} ({_source(dist)}): "
+                            f"{other.plugin!r}'s is kept"
+                            + (" (a built-in name cannot be replaced)" if self._is_builtin(other.plugin) else "")
+                        ),
                     )
                 else:
                     table[name] = DenoiserInfo(name, factory, plugin_name, dist)
@@ -388,3 +402,7 @@ def create_denoisers(hooks: Sequence[DenoiserSpec] | None, registry: Registry | 
         raise TypeError("post_hooks must be a list, e.g. post_hooks=['rmt']")
     reg = registry or get_registry()
     return [reg.create(h) for h in hooks]
+
+
+def _source(distribution: str | None) -> str:
+    return f"distribution {distribution}" if distribution else "registered at run time"

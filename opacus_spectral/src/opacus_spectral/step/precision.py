@@ -54,16 +54,41 @@ def upcast_grad_samples(params: Iterable[torch.nn.Parameter]) -> None:
             p.grad_sample = [g.to(p.dtype) for g in gs]
 
 
+def uneven_rows(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters whose per-sample gradient's first dimension is not the one most of the others share (what Opacus
+    stacks per record: a mismatch is its raw "stack expects each tensor to be equal size")."""
+    rows: dict[int, list[torch.nn.Parameter]] = {}
+    for p in params:
+        gs = getattr(p, "grad_sample", None)
+        if torch.is_tensor(gs) and gs.dim() > 0:
+            rows.setdefault(int(gs.shape[0]), []).append(p)
+    if len(rows) < 2:
+        return []
+    common = max(rows, key=lambda k: len(rows[k]))
+    return [p for k, group in rows.items() if k != common for p in group]
+
+
 class PrecisionGuard:
     """The upcast on ``PHYSICAL_BATCH``; in ghost and ew modes, a forward pre-hook refusing autocast."""
 
     def __init__(self, dp_optimizer: DPOptimizer, module: nn.Module, *, mode: str) -> None:
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self._handles: list[Any] = [attachment(dp_optimizer).subscribe(PHYSICAL_BATCH, self._upcast, order=PRECISION)]
         if mode in AUTOCAST_REFUSED:
             self.mode = mode
             self._handles.append(module.register_forward_pre_hook(InertOnCopy(self._refuse_autocast)))
 
     def _upcast(self, opt: DPOptimizer) -> None:
+        odd = uneven_rows(opt.params)
+        if odd:
+            names = ", ".join(self._names.get(id(p), "?") for p in odd)
+            raise ValueError(
+                f"the per-sample gradients of {names} do not have one row per record of the batch (the others do): a "
+                "layer applied to an input shared by the whole batch — GPT-2's or BERT's position embedding with "
+                "position ids of batch 1 (Opacus issue #841), say — has no per-record gradient, so Opacus cannot clip "
+                "it per record. Freeze those parameters (requires_grad=False; LoRA trains none of them) or give the "
+                "layer one input per record (position_ids of shape (batch, seq_len))"
+            )
         upcast_grad_samples(opt.params)
 
     def remove(self) -> None:

@@ -113,14 +113,19 @@ def normalize_history(history: Iterable[Sequence[float]]) -> list[HistoryEntry]:
     return out
 
 
+#: the smallest σ a client's report may hold (opacus_spectral's calibration range starts there): below it a report is
+#: refused, not folded into the federation's largest ε (σ = 1e-300 made that ε infinite)
+MIN_REPORTED_SIGMA = 0.1
+
+
 class InadmissibleReport(ValueError):
     """A client's accountant report is out of bounds (refused before it reaches an accountant)."""
 
 
 def report_problem(history: Iterable[Sequence[float]], max_steps: int) -> str | None:
     """Why a client-supplied history is inadmissible, or ``None``: malformed, NaN/∞/negative entries, σ <= 0
-    (ε = ∞ — a federation never runs without noise) or more steps in all than ``max_steps`` (what was charged).
-    Cheap: no accountant is called."""
+    (ε = ∞ — a federation never runs without noise), σ below :data:`MIN_REPORTED_SIGMA`, or more steps in all than
+    ``max_steps`` (what was charged). Cheap: no accountant is called."""
     entries = list(history)
     if len(entries) > max_steps:  # every real entry holds >= 1 step
         return f"{len(entries)} history entries but the server charged only {max_steps} steps"
@@ -130,6 +135,11 @@ def report_problem(history: Iterable[Sequence[float]], max_steps: int) -> str | 
         return f"malformed accountant history: {err}"
     if any(not s > 0 for s, _, _ in hist):
         return "noise_multiplier <= 0 in the reported history (a federated client always adds noise)"
+    if any(s < MIN_REPORTED_SIGMA for s, _, _ in hist):
+        return (
+            f"noise_multiplier below {MIN_REPORTED_SIGMA} in the reported history (no calibrated DP client runs there; "
+            "the server keeps what it charged)"
+        )
     total = sum(n for _, _, n in hist)
     if total > max_steps:
         return f"reports {total} DP steps but the server charged only {max_steps}"

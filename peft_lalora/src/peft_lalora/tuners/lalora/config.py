@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from peft import LoraConfig
 
@@ -73,6 +74,13 @@ class LALoraConfig(LoraConfig):
     first_factor: Factor = field(
         default="B",
         metadata={"help": "Factor trained first in 'step'/'round' mode: 'B' (paper) or 'A' (reference code)."},
+    )
+    privacy_record: Any = field(
+        default=None,
+        metadata={
+            "help": "The DP privacy record of the adapter's training (opacus_spectral; written by save_pretrained, "
+            "read back by from_pretrained, composed with by the next DP run). Set by the library, not by hand."
+        },
     )
 
     def __post_init__(self) -> None:

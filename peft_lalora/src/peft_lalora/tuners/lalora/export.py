@@ -5,7 +5,8 @@ A LALoRA adapter *is* a LoRA adapter: same layers, same ``lora_A`` / ``lora_B`` 
 fields). The export therefore copies the weight file unchanged and rewrites the config as a
 ``LoraConfig`` — an exact relabel (identical logits), unlike PEFT's ``save_as_lora`` / ``convert_to_lora``,
 which re-factor ``ΔW`` by a truncated SVD (approximate, scaling folded into the weights, more work;
-``docs/upstream.md`` §2.4).
+``docs/upstream.md`` §2.4). The privacy record travels with it: the model's (or the folder's ``privacy_record.json``)
+is written beside the exported adapter, so a later run composes with it instead of restarting ε.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def export_as_lora(
     output_dir: str | os.PathLike[str],
     *,
     adapter_name: str = "default",
+    delta: float | None = None,
 ) -> Path:
     """Write ``source``'s adapter to ``output_dir`` as a plain LoRA adapter that PEFT loads without
     ``peft_lalora`` (``PeftModel.from_pretrained(base, output_dir)`` gives identical logits).
@@ -52,6 +54,8 @@ def export_as_lora(
             ``save_pretrained`` (the one containing ``adapter_config.json``).
         output_dir: target directory (created; files of the same name are overwritten).
         adapter_name: which adapter of a ``PeftModel`` to export.
+        delta: the δ of a DP run the model's privacy record holds without one (a hand-written loop's), for the
+            record written beside the export.
 
     Returns:
         ``Path(output_dir)``.
@@ -71,6 +75,7 @@ def export_as_lora(
             saved = Path(tmp) if adapter_name == "default" else Path(tmp) / adapter_name
             _copy_weights(saved, out)
         to_lora_config(config).save_pretrained(str(out))
+        _carry_record(source, out, delta)
         return out
     src = Path(source)
     config_path = src / "adapter_config.json"
@@ -80,8 +85,24 @@ def export_as_lora(
     _check_lora_like(data)
     if src.resolve() != out.resolve():
         _copy_weights(src, out)
+        _carry_record(src, out, delta)
     to_lora_config(data).save_pretrained(str(out))
     return out
+
+
+def _carry_record(source: PeftModel | Path, out: Path, delta: float | None) -> None:
+    """The privacy record of ``source`` (a model's, or the folder's file) beside the export; none without the [dp]
+    extra (no DP run could have made one). A model whose record cannot be written (no δ yet) is refused: an export
+    that silently dropped it would let the next run restart ε."""
+    try:
+        from opacus_spectral.accounting.record import RECORD_FILE, privacy_record_of, save_privacy_record
+    except ImportError:  # pragma: no cover - peft_lalora without opacus_spectral
+        return
+    if isinstance(source, Path):
+        if (source / RECORD_FILE).is_file():
+            shutil.copyfile(source / RECORD_FILE, out / RECORD_FILE)
+    elif privacy_record_of(source) is not None:
+        save_privacy_record(source, out, delta=delta)
 
 
 def _check_lora_like(data: dict[str, Any]) -> None:
