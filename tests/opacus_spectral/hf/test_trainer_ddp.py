@@ -323,9 +323,13 @@ def test_ranks_holding_other_records_or_settings_are_refused_on_every_rank(resul
     assert not re.search(r"[0-9a-f]{16}", errors[0])  # the fingerprint is never shown
 
 
-def test_the_dataset_fingerprint_sees_content_and_order_within_its_bounded_reads(monkeypatch):
-    """What the ranks compare (one process): records built apart agree; a swap or one changed token does not;
-    beyond FINGERPRINT_RECORDS only evenly spaced records are read; objects of unknown types by their type."""
+def test_the_dataset_fingerprint_sees_every_record_in_order():
+    """What the ranks compare (one process): records built apart agree; a swap or one changed token does not,
+    wherever it is (before: beyond 4,096 records only evenly spaced ones were read, and two records swapped at unread
+    positions of 9,000 passed); dataclass records count by their fields (before: by their type, so a reversed list
+    passed)."""
+    import dataclasses
+
     from opacus_spectral.hf import distributed as td
     from text_support import synthetic_text_task
 
@@ -339,11 +343,17 @@ def test_the_dataset_fingerprint_sees_content_and_order_within_its_bounded_reads
     assert td.dataset_fingerprint(again) == base
     assert base not in {td.dataset_fingerprint(swapped), td.dataset_fingerprint(edited)}
     assert td.dataset_fingerprint(data.with_format(None)) != base  # Python lists, not tensors: typed apart
-    monkeypatch.setattr(td, "FINGERPRINT_RECORDS", 4)
-    assert list(td.fingerprint_indices(10)) == [0, 3, 6, 9] and list(td.fingerprint_indices(4)) == [0, 1, 2, 3]
-    unread = data.select([0, 2, 1, *range(3, 10)])  # records 1 and 2 swapped: neither is read
-    assert td.dataset_fingerprint(unread) == td.dataset_fingerprint(data) != td.dataset_fingerprint(swapped)
-    assert td.dataset_fingerprint(edited) != td.dataset_fingerprint(data)
+    large = [torch.tensor([i]) for i in range(9000)]
+    moved = list(large)
+    moved[1], moved[2] = moved[2], moved[1]
+    assert td.dataset_fingerprint(large) != td.dataset_fingerprint(moved)
+
+    @dataclasses.dataclass
+    class Record:
+        x: int
+
+    records = [(Record(i),) for i in range(8)]
+    assert td.dataset_fingerprint(records) != td.dataset_fingerprint(records[::-1])
     assert td.dataset_fingerprint([{"x": object()}]) == td.dataset_fingerprint([{"x": object()}])
 
 

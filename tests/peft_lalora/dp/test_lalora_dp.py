@@ -391,3 +391,10 @@ def test_export_as_lora_carries_the_privacy_record(tmp_path) -> None:
     assert read_privacy_record(again).runs == read_privacy_record(out).runs
     fresh = build("bert", alternation="step")
     assert load_privacy_record(fresh, again).epsilon(1e-5, "rdp") == pytest.approx(engine.get_epsilon(1e-5))
+
+
+def test_export_as_lora_without_a_delta_for_a_record_that_has_none_says_so(tmp_path) -> None:
+    model, private, dp_opt, criterion, dl, ctrl, _, _ = _private("bert", "step", "B", "hooks")
+    _run(model, private, dp_opt, criterion, dl, ctrl, steps=1)
+    with pytest.raises(ValueError, match=r"export_as_lora\(\.\.\., delta=\.\.\.\)"):
+        peft_lalora.export_as_lora(model, tmp_path / "exported")

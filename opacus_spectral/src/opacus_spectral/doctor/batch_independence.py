@@ -40,6 +40,7 @@ __all__ = [
     "leaves",
     "positions_from_mask",
     "rebuild",
+    "record_sizes",
     "split_records",
     "tolerance",
 ]
@@ -95,6 +96,11 @@ def _size(collate: Callable[[list[Any]], Any], item: Any) -> int:
     return sum(t.numel() for _, t in leaves(collate([item])))
 
 
+def record_sizes(items: Sequence[Any], collate: Callable[[list[Any]], Any]) -> list[int]:
+    """Each record's size: the entries of its tensors collated alone."""
+    return [_size(collate, item) for item in items]
+
+
 def split_records(
     items: Sequence[Any], collate: Callable[[list[Any]], Any], keep: int = 3
 ) -> tuple[list[Any], int] | None:
@@ -103,7 +109,7 @@ def split_records(
     original order; ``None`` below two records."""
     if len(items) < 2:
         return None
-    sizes = [_size(collate, item) for item in items]
+    sizes = record_sizes(items, collate)
     longest = max(range(len(items)), key=lambda i: (sizes[i], -i))
     shorter = [i for i in range(len(items)) if sizes[i] < sizes[longest]]  # the dropped record alone sets the padding
     others = sorted(shorter or [i for i in range(len(items)) if i != longest], key=lambda i: (sizes[i], i))

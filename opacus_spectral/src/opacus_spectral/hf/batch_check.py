@@ -19,6 +19,7 @@ mask (RoPE models with a mask, RoBERTa, OPT) pass the first comparison and are l
 from __future__ import annotations
 
 import inspect
+import random
 import time
 import warnings
 from collections.abc import Callable
@@ -69,7 +70,8 @@ class TrainerBatchCheck:
         """Compare; raise :class:`BatchDependenceError` (``batch_check="raise"``) on a difference."""
         start = time.perf_counter()
         try:
-            items = [self.dataset[i] for i in range(min(len(self.dataset), CANDIDATES))]
+            n = len(self.dataset)  # records drawn over the whole dataset (OS entropy), not its head
+            items = [self.dataset[i] for i in sorted(random.SystemRandom().sample(range(n), min(n, CANDIDATES)))]
             chosen = split_records(items, self.collate)
             if chosen is None:
                 return False

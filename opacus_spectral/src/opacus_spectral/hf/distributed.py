@@ -20,6 +20,7 @@ Opacus' distributed DP-SGD, driven by the Trainer (``docs/upstream.md`` ยง1.2, ย
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,7 +32,7 @@ from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSample
 from torch import nn
 
 __all__ = [
-    "FINGERPRINT_RECORDS",
+    "FINGERPRINT_BATCH",
     "LockstepPoissonSampler",
     "check_evaluation",
     "check_ranks_agree",
@@ -110,28 +111,33 @@ def unsupported_parallelism(trainer: Any) -> str | None:
 
 # -- the ranks agree on the data and the set-up ------------------------------------------------------------------
 
-#: up to this many records every record is hashed; beyond, this many at evenly spaced indices (first and last in)
-FINGERPRINT_RECORDS = 4096
-
-
-def fingerprint_indices(n: int) -> range | list[int]:
-    """The indices :func:`dataset_fingerprint` reads of a dataset of ``n`` records."""
-    k = FINGERPRINT_RECORDS
-    return range(n) if n <= k else [i * (n - 1) // (k - 1) for i in range(k)]
+MAX_DEPTH = 64  #: nesting levels a record's value is hashed to
+#: a Hugging Face dataset is read this many rows at a time (its columns hashed batch by batch, in index order)
+FINGERPRINT_BATCH = 1024
 
 
 def dataset_fingerprint(dataset: Any) -> str:
-    """SHA-256 of the records at :func:`fingerprint_indices`, in index order (so the order counts): tensors and
-    arrays by dtype, shape and bytes, strings, bytes, numbers, and mappings / sequences of them recursively; any
-    other object by its type only. Compared between the ranks of the job, never logged or saved."""
+    """SHA-256 of every record, in index order (so the order counts): tensors and arrays by dtype, shape and bytes,
+    strings, bytes, numbers, mappings / sequences, dataclasses and objects' attributes recursively (an object with
+    neither fields nor attributes by its type). A Hugging Face ``datasets.Dataset`` is read in batches of
+    :data:`FINGERPRINT_BATCH` rows (its index mapping applied). Compared between the ranks, never logged or saved."""
     h = hashlib.sha256()
-    for i in fingerprint_indices(len(dataset)):
+    if callable(getattr(dataset, "iter", None)) and hasattr(dataset, "column_names"):
+        h.update(b"hf-batches:")
+        for batch in dataset.iter(batch_size=FINGERPRINT_BATCH):
+            _feed(h, batch)
+        return h.hexdigest()
+    for i in range(len(dataset)):
         _feed(h, dataset[i])
     return h.hexdigest()
 
 
-def _feed(h: Any, value: Any) -> None:
-    """Hash ``value`` with a type tag and its length, so that no two different values give the same stream."""
+def _feed(h: Any, value: Any, depth: int = 0) -> None:
+    """Hash ``value`` with a type tag and its length, so that no two different values give the same stream (objects
+    nested deeper than :data:`MAX_DEPTH`, e.g. a cycle of references, by their type only)."""
+    if depth > MAX_DEPTH:
+        h.update(f"D{type(value).__qualname__};".encode())
+        return
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
         t = (t.to_dense() if t.layout != torch.strided else t).contiguous().reshape(-1)
@@ -139,7 +145,7 @@ def _feed(h: Any, value: Any) -> None:
         h.update(t.view(torch.uint8).numpy().tobytes())
     elif isinstance(value, np.ndarray) and value.dtype == object:
         h.update(f"O{value.shape}".encode())
-        _feed(h, value.tolist())
+        _feed(h, value.tolist(), depth + 1)
     elif isinstance(value, np.ndarray | np.generic):
         a = np.ascontiguousarray(value)
         h.update(f"A{a.dtype.str}{a.shape}".encode())
@@ -153,15 +159,19 @@ def _feed(h: Any, value: Any) -> None:
     elif isinstance(value, Mapping):
         h.update(f"M{len(value)}".encode())
         for key in sorted(value, key=str):
-            _feed(h, str(key))
-            _feed(h, value[key])
+            _feed(h, str(key), depth + 1)
+            _feed(h, value[key], depth + 1)
     elif isinstance(value, list | tuple):
         h.update(f"L{len(value)}".encode())
         if not _feed_numbers(h, value):
             for item in value:
-                _feed(h, item)
-    else:  # an object of another type: its type only (its repr may hold a memory address)
+                _feed(h, item, depth + 1)
+    else:  # an object of another type: its fields or attributes (never its repr: it may hold a memory address)
         h.update(f"O{type(value).__module__}.{type(value).__qualname__};".encode())
+        if dataclasses.is_dataclass(value):
+            _feed(h, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            _feed(h, vars(value), depth + 1)
 
 
 def _feed_numbers(h: Any, values: list | tuple) -> bool:

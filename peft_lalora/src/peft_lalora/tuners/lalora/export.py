@@ -102,7 +102,16 @@ def _carry_record(source: PeftModel | Path, out: Path, delta: float | None) -> N
         if (source / RECORD_FILE).is_file():
             shutil.copyfile(source / RECORD_FILE, out / RECORD_FILE)
     elif privacy_record_of(source) is not None:
-        save_privacy_record(source, out, delta=delta)
+        try:
+            save_privacy_record(source, out, delta=delta)
+        except ValueError as err:
+            if delta is None:
+                raise ValueError(
+                    "export_as_lora: the model carries a DP privacy record without a δ (a hand-written loop's): pass "
+                    "export_as_lora(..., delta=...), the δ at which you report its ε, so that the record travels "
+                    "with the export"
+                ) from err
+            raise
 
 
 def _check_lora_like(data: dict[str, Any]) -> None:
