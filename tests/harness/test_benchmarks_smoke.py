@@ -224,6 +224,7 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
         "noise-std",
         "isolation-cost",
         "batch-check-cost",
+        "fingerprint-cost",
         "mechanism-cost",
         "mf-proxy",
         "grid",
@@ -242,6 +243,17 @@ def test_batch_check_cost_smoke(tmp_path: Path) -> None:
     right, left = res["sides"]["right"], res["sides"]["left"]
     assert right["independent"] and right["check_s"] > 0 and right["step_s_median"] > 0 and not right["refused"]
     assert left["check_s"] > 0 and left["refused"] == (not left["independent"]) and res["check_over_step"]["left"] > 0
+
+
+def test_fingerprint_cost_smoke_and_replot(tmp_path: Path) -> None:
+    from dp_bench.commands import fingerprint_cost
+
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    res = fingerprint_cost.main(["--records", "64", "--reps", "1", "--out", str(out), "--plot", str(png)])
+    assert set(res["seconds"]) == {"datasets, python format", "datasets, torch format", "pairs"}
+    assert all(s > 0 for s in res["seconds"].values()) and png.stat().st_size > 1000
+    again = fingerprint_cost.main(["--replot", "--out", str(out), "--plot", str(png)])
+    assert again["seconds"] == res["seconds"]
 
 
 def test_isolation_cost_and_overhead_smoke(tmp_path: Path) -> None:

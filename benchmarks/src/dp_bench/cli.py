@@ -19,6 +19,7 @@ COMMANDS = {
     "noise-std": "dp_bench.commands.noise_std",
     "isolation-cost": "dp_bench.commands.isolation_cost",
     "batch-check-cost": "dp_bench.commands.batch_check_cost",
+    "fingerprint-cost": "dp_bench.commands.fingerprint_cost",
     "mechanism-cost": "dp_bench.commands.mechanism_cost",
     "mf-proxy": "dp_bench.commands.mf_proxy",
     "audit": "dp_bench.commands.audit",
