@@ -33,7 +33,7 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(N, WIDTH, generator=g), torch.randint(0, 4, (N,), generator=g))
 
 
-def _private(mechanism=None, *, engine=None, nm=1.0, steps=None, width=WIDTH, batch=BATCH, **kw):
+def _private(mechanism=None, *, engine=None, nm=1.0, steps=None, width=WIDTH, batch=BATCH, workers=0, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, 128), nn.Tanh(), nn.Linear(128, 4))  # 12,932 entries at width 96
     engine = engine or PrivacyEngine(accountant="rdp")
@@ -42,7 +42,7 @@ def _private(mechanism=None, *, engine=None, nm=1.0, steps=None, width=WIDTH, ba
     gsm, opt, dl = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=batch),
+        data_loader=DataLoader(_data(), batch_size=batch, num_workers=workers),
         noise_multiplier=nm,
         max_grad_norm=1.0,
         **kw,
@@ -324,3 +324,32 @@ def test_a_stated_noise_multiplier_that_is_not_the_optimizers_is_refused(tmp_pat
         engine.load_checkpoint(path=path, module=gsm, optimizer=opt, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="would misreport epsilon"):  # the optimizer's own σ is checked
         engine.load_checkpoint(path=path, module=gsm, optimizer=opt)
+
+
+# -- every drawn batch tied to its DP step, with loader workers too -------------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_skipped_under_bandmf_is_refused_with_loader_workers_too(workers):
+    """With num_workers=2 a batch drawn and not stepped on went undetected (a record trained at steps 2 apart at
+    b = 4, one group at 15 steps against 12 charged); the loader now ties each batch to its draw."""
+    engine, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=16, workers=workers)
+    batches = iter(dl)
+    _step(gsm, opt, dl, batches)
+    next(batches)  # drawn, not stepped on
+    before = _params(gsm)
+    with pytest.raises(RuntimeError, match="not the one drawn after the previous step's"):
+        _step(gsm, opt, dl, batches)
+    assert all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_peeking_one_batch_before_training_is_not_refused(workers):
+    """A batch looked at before training shifts the group cycle, which the accounting allows (before: refused)."""
+    engine, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=16, workers=workers)
+    next(iter(dl))  # a peek
+    done = 0
+    for _ in range(2):
+        batches = iter(dl)
+        for _ in range(len(dl)):
+            _step(gsm, opt, dl, batches)
+            done += 1
+    assert done == 16 and engine.accountant.history == [(1.0, 4 / 8, 4)]

@@ -199,7 +199,7 @@ def test_a_skipped_batch_is_refused_before_its_update():
     opt.zero_grad()
     nn.functional.cross_entropy(gsm(xb), Y[idx]).backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="every batch it yields must be stepped on"):
+    with pytest.raises(RuntimeError, match="stepped on"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert engine.accountant.history == [(1.0, 0.5, 1)]

@@ -210,7 +210,7 @@ class BatchCheck:
             )
         removal = REMOVALS[self.audits % len(REMOVALS)]
         removed = _pick(items, removal, self._recorder.collate)
-        reduced = self._recorder.collate(items[:removed] + items[removed + 1 :])
+        reduced = self._recorder.collate([item for i, item in enumerate(items) if i not in removed])
         calls = [_call_values(call, mapping, batch) for batch in (collated, reduced)]
         if None in calls:
             return self._skip("the re-collated records lack a tensor the model's call takes")
@@ -224,7 +224,7 @@ class BatchCheck:
         device_type = next(self.model.parameters()).device.type
         tol = tolerance(dtypes + autocast_dtypes(device_type))
         masks = (_mask(collated), _mask(reduced))
-        dropped = _dropped_row(collated, reduced, removed)
+        dropped = _dropped_rows(collated, reduced, removed)
         self.outcome = compare_outputs(*outputs, dropped=dropped, masks=masks, tol=tol)
         self.audits += 1
         self._report(self.outcome, tol, removal)
@@ -266,30 +266,33 @@ def _magnitude(x: float) -> str:
     return "∞" if not math.isfinite(x) else f"1e{math.floor(math.log10(x)):+d}" if x > 0 else "0"
 
 
-def _pick(items: list[Any], removal: str, collate: Any) -> int:
-    """The index of the record an audit removes: the longest or the shortest (by collated size; the first of ties),
-    or one drawn from OS entropy."""
+def _pick(items: list[Any], removal: str, collate: Any) -> list[int]:
+    """The indices of the records an audit removes: every longest, or every shortest record (by collated size: a
+    longest record tied with another would leave the padding as it was), or one drawn from OS entropy; never all of
+    them (the first stays)."""
     if removal == "random":
-        return secrets.randbelow(len(items))
+        return [secrets.randbelow(len(items))]
     sizes = record_sizes(items, collate)
-    pick = max if removal == "longest" else min
-    return pick(range(len(items)), key=lambda i: (sizes[i], -i) if removal == "longest" else (sizes[i], i))
+    extreme = max(sizes) if removal == "longest" else min(sizes)
+    chosen = [i for i, size in enumerate(sizes) if size == extreme]
+    return chosen[1:] if len(chosen) == len(items) else chosen
 
 
-def _dropped_row(full: Any, reduced: Any, removed: int) -> int:
-    """The row of the removed record in the collated batch: the one whose removal leaves the reduced batch's input
-    rows, in order (rows compared over the columns both batches have, at either end: padding may have shrunk), so
-    that a collator that reorders (say, longest first) is compared record by record; ``removed`` when the rows cannot
-    be told apart that way."""
+def _dropped_rows(full: Any, reduced: Any, removed: list[int]) -> list[int]:
+    """The rows of the removed records in the collated batch: those left over when the reduced batch's input rows
+    are matched, in order, to the full batch's (rows compared over the columns both batches have, at either end:
+    padding may have shrunk), so that a collator that reorders (say, longest first) is compared record by record;
+    ``removed`` when the rows cannot be matched that way."""
     pairs = [(a, b) for (_, a), (_, b) in zip(leaves(full), leaves(reduced), strict=False) if a.dim() > 0]
-    if not pairs or any(b.shape[0] != a.shape[0] - 1 or a.shape[2:] != b.shape[2:] for a, b in pairs):
+    if not pairs or any(b.shape[0] != a.shape[0] - len(removed) or a.shape[2:] != b.shape[2:] for a, b in pairs):
         return removed
-    n = pairs[0][0].shape[0]
-    for i in range(n):
-        kept = [r for r in range(n) if r != i]
-        if all(_rows_match(a[r], b[j]) for a, b in pairs for j, r in enumerate(kept)):
-            return i
-    return removed
+    n, m, gone, j = pairs[0][0].shape[0], pairs[0][1].shape[0], [], 0
+    for r in range(n):
+        if j < m and all(_rows_match(a[r], b[j]) for a, b in pairs):
+            j += 1
+        else:
+            gone.append(r)
+    return gone if j == m and len(gone) == len(removed) else removed
 
 
 def _rows_match(x: torch.Tensor, y: torch.Tensor) -> bool:

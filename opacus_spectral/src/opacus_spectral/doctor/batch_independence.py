@@ -146,26 +146,29 @@ def compare_outputs(
     full: Any,
     reduced: Any,
     *,
-    dropped: int,
+    dropped: int | Sequence[int],
     masks: tuple[torch.Tensor | None, torch.Tensor | None],
     tol: float,
 ) -> Comparison:
-    """Compare every record but ``dropped`` between the outputs of the full check batch and of the batch without
-    it: each output tensor with a record axis (dim 0), record by record, aligned by the attention masks. An output
-    whose sequence axis changed length with no mask to align it is a padded batch without ``attention_mask``."""
+    """Compare every record but the ``dropped`` row(s) between the outputs of the full check batch and of the batch
+    without them: each output tensor with a record axis (dim 0), record by record, aligned by the attention masks. An
+    output whose sequence axis changed length with no mask to align it is a padded batch without ``attention_mask``."""
+    gone = sorted({dropped} if isinstance(dropped, int) else set(dropped))
     reduced_leaves = dict(leaves(reduced))
     worst, compared, unaligned = 0.0, 0, False
     for path, a in leaves(full):
         b = reduced_leaves.get(path)
-        if b is None or a.dim() == 0 or b.dim() == 0 or b.shape[0] != a.shape[0] - 1 or not a.is_floating_point():
+        if b is None or a.dim() == 0 or b.dim() == 0 or not a.is_floating_point():
+            continue
+        if b.shape[0] != a.shape[0] - len(gone):
             continue
         if a.shape[2:] != b.shape[2:] or (a.shape[1:2] != b.shape[1:2] and None in masks):
             unaligned = True
             continue
         for row in range(a.shape[0]):
-            if row == dropped:
+            if row in gone:
                 continue
-            x, y = _record(a, masks[0], row), _record(b, masks[1], row - (row > dropped))
+            x, y = _record(a, masks[0], row), _record(b, masks[1], row - sum(g < row for g in gone))
             if x.shape != y.shape:
                 unaligned = True
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -81,14 +82,21 @@ class CyclicPoissonSampler(Sampler[list[int]]):
         self.generator = generator
         self.shard = shard  #: (rank, world size): under DDP each rank samples its share of the group
         self.step = 0
+        #: where the next iterator created records its draws (set by the DP loader around creating one)
+        self.next_draws: Any = None
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The epoch's batches; each one's global step appended, as it is drawn, to the ``next_draws`` the DP loader
+        set before creating the iterator that runs this one (read when it starts drawing)."""
+        draws = self.next_draws
         for _ in range(self.steps_per_epoch):
             rank, world = self.shard
             group = self.parts[self.step % self.groups][rank::world]
             mask = torch.rand(len(group), generator=self.generator) < self.sample_rate
+            if draws is not None:
+                draws.append(self.step)
             self.step += 1
             yield group[mask].tolist()

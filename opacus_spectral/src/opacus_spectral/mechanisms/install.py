@@ -7,6 +7,7 @@ denoisers are calibrated with. The default ``"gaussian"`` installs nothing: trai
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,11 +44,28 @@ MechanismSpec = str | tuple[str, Mapping[str, Any]] | NoiseMechanism
 
 class CyclicLoader(DataLoader):
     """The DP loader of a cyclic-Poisson mechanism: Opacus' collate (empty batches allowed), the cyclic sampler, and
-    ``sample_rate`` = B/N like Opacus' ``DPDataLoader``."""
+    ``sample_rate`` = B/N like Opacus' ``DPDataLoader``. Iterating it ties every batch it yields to the sampler draw
+    it came from (in the training process, whatever ``num_workers``: worker processes fetch in the order the sampler
+    dispatched and the loader yields in that order), so that :func:`check_in_step` sees which draw each DP step
+    trains."""
 
     sample_rate: float
     #: batches a training loop may draw ahead of the step it trains (accelerate's loaders fetch 1 ahead)
     lookahead: int = 0
+    #: the sampler draw of the batch this loader yielded last, and whether one was yielded since the last DP step
+    last_draw: int | None = None
+    fresh: bool = False
+
+    def __iter__(self) -> Any:
+        sampler = self.batch_sampler
+        if not isinstance(sampler, CyclicPoissonSampler):
+            yield from super().__iter__()
+            return
+        draws: deque[int] = deque()
+        sampler.next_draws = draws  # the iterator created now records its draws there, in dispatch order
+        for batch in super().__iter__():
+            self.last_draw, self.fresh = (draws.popleft() if draws else None), True
+            yield batch
 
 
 def cyclic_loader(
@@ -97,7 +115,7 @@ def accountant_hook(
                 f"{optim.accumulated_iterations} loader batches per step would mix groups (use BatchMemoryManager "
                 "for smaller physical batches instead)"
             )
-        check_in_step(loader, state["step"])
+        check_in_step(loader, state["step"], state)
         sigma, q = float(optim.noise_multiplier), 1 / _loader_len(optim)
         acc = mechanism.accounting(sigma, q)  # computed from the strategy (.strategy), never declared
         state["sigma"], state["clip"] = sigma, float(optim.max_grad_norm)  # the DP state's facts (checkpoints)
@@ -139,12 +157,29 @@ def ghost_workers_error(name: str) -> ValueError:
     )
 
 
-def check_in_step(loader: Any, step: int) -> None:
-    """DP step ``step`` (0-based) must train on the cyclic sampler's batch ``step``: a drawn batch skipped (say, an
-    empty one) would put one group at two steps less than b apart, outside the accounting (each record at most once
-    in every b consecutive steps). Checked where the loader draws in the training process (``num_workers=0``)."""
+def check_in_step(loader: Any, step: int, state: dict[str, Any] | None = None) -> None:
+    """DP step ``step`` (0-based) must train on the draw right after the previous step's: a drawn batch skipped (say,
+    an empty one) would put one group at two steps less than b apart, outside the accounting (each record at most
+    once in every b consecutive steps). When the step's batch came from iterating the loader ``make_private`` returned
+    (any ``num_workers``), its draw is known (:class:`CyclicLoader`): consecutive steps must train consecutive draws
+    (a batch peeked before training only shifts the cycle, which the accounting allows). Otherwise (a loop that builds
+    its own loader over the sampler, BatchMemoryManager) the draws are counted where the loader draws in the training
+    process (``num_workers=0``)."""
     sampler = getattr(loader, "batch_sampler", None)
-    if not isinstance(sampler, CyclicPoissonSampler) or sampler.groups == 1 or loader.num_workers > 0:
+    if not isinstance(sampler, CyclicPoissonSampler) or sampler.groups == 1:
+        return
+    if state is not None and getattr(loader, "fresh", False) and loader.last_draw is not None:
+        loader.fresh = False
+        previous, state["draw"] = state.get("draw"), loader.last_draw
+        if previous is not None and loader.last_draw != previous + 1:
+            raise RuntimeError(
+                f"cyclic Poisson sampling: DP step {step + 1} trains a batch that is not the one drawn after the "
+                "previous step's: a batch the loader yielded was not stepped on (an empty one skipped, say), which "
+                "puts a group at two steps less than b apart — not covered by the BandMF accounting. Step the "
+                "optimizer once per batch, in order, empty batches included."
+            )
+        return
+    if loader.num_workers > 0:
         return
     if not 0 <= sampler.step - (step + 1) <= getattr(loader, "lookahead", 0):
         raise RuntimeError(
