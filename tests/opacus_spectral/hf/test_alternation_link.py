@@ -49,6 +49,14 @@ def test_a_lalora_model_gets_its_controller_freezing_through_the_trainer(tmp_pat
     assert all(not p.requires_grad and p.grad_sample is None for p in a)
 
 
+def test_the_base_model_of_a_lalora_model_gets_its_controller_too(tmp_path):
+    """``get_base_model()`` (the transformers model PEFT injected LoRA into) answers ``active_adapters`` as a method,
+    not PEFT's property: DPTrainer raised a raw "'method' object is not iterable"."""
+    t = trainer(tmp_path, lalora_model().get_base_model())
+    t._attach_alternation()
+    assert isinstance(t.controller, AlternationController) and {f.factor for f in t.controller.factors} == {"A", "B"}
+
+
 def test_alternation_false_attaches_nothing(tmp_path):
     t = trainer(tmp_path, alternation=False)
     t._attach_alternation()

@@ -40,9 +40,22 @@ def _active_adapters(model: nn.Module) -> list[str] | None:
     """The adapters a PeftModel (possibly wrapped) currently trains, or None when unknown."""
     for m in model.modules():
         if hasattr(m, "peft_config") and hasattr(m, "active_adapters"):
-            active = m.active_adapters
-            return [active] if isinstance(active, str) else list(active)
+            return active_adapter_names(m)
     return None
+
+
+def active_adapter_names(module: nn.Module) -> list[str] | None:
+    """``module``'s active adapters: PEFT's ``active_adapters`` property, or transformers' method of that name (a model
+    whose LoRA layers PEFT injected, such as ``PeftModel.get_base_model()``); ``None`` when it cannot say."""
+    active = getattr(module, "active_adapters", None)
+    if callable(active):
+        try:
+            active = active()
+        except (ValueError, AttributeError, RuntimeError):  # transformers: "no adapter loaded"
+            return None
+    if isinstance(active, str):
+        return [active]
+    return [a for a in active if isinstance(a, str)] if isinstance(active, list | tuple) else None
 
 
 def find_lora_factors(model: nn.Module, adapter_names: str | Sequence[str] | None = None) -> list[LoraFactor]:

@@ -9,6 +9,7 @@ from typing import Any
 from opacus_spectral import hookimpl
 
 from ..alternation.controller import AlternationController, LALoraTrainerCallback
+from ..alternation.factors import active_adapter_names
 from ..tuners.lalora.config import LALoraConfig
 
 
@@ -24,9 +25,9 @@ def opacus_spectral_alternation_controller(trainer: Any) -> AlternationControlle
     configs = getattr(model, "peft_config", None)
     if not (isinstance(configs, dict) and any(isinstance(c, LALoraConfig) for c in configs.values())):
         return None
-    active = getattr(model, "active_adapters", None) or list(configs)
-    names = [active] if isinstance(active, str) else list(active)
+    names = active_adapter_names(model) or list(configs)
     schedules = {configs[n].schedule for n in names if isinstance(configs.get(n), LALoraConfig)}
     if len(schedules) == 1:
         return AlternationController(model, trainer, schedule=schedules.pop())
     return AlternationController(model, trainer)  # none active, or several that disagree: the controller says which
+
