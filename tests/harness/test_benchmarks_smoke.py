@@ -239,7 +239,11 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
 def test_batch_check_cost_smoke(tmp_path: Path) -> None:
     from dp_bench.commands import batch_check_cost
 
-    res = batch_check_cost.main(["--steps", "2", "--batch", "4", "--records", "16", "--out", str(tmp_path / "b.json")])
+    flags = ["--steps", "2", "--batch", "4", "--records", "16", "--engine-steps", "10"]
+    res = batch_check_cost.main([*flags, "--out", str(tmp_path / "b.json")])
+    engine = res["engine_audit"]
+    assert engine["audits"] >= 8 and engine["audit_s_mean"] > 0 and 0 < engine["amortized_share_1000"]
+    assert engine["expected_audits_1000"] == pytest.approx(8 + sum(4 / (k + 1) for k in range(8, 1000)))
     right, left = res["sides"]["right"], res["sides"]["left"]
     assert right["independent"] and right["check_s"] > 0 and right["step_s_median"] > 0 and not right["refused"]
     assert left["check_s"] > 0 and left["refused"] == (not left["independent"]) and res["check_over_step"]["left"] > 0

@@ -231,5 +231,5 @@ def test_position_ids_computed_by_the_loop_from_the_mask_are_audited_not_skipped
         engine = _token_run(left, 10, positions=True)
     assert not [w for w in caught if "not checked" in str(w.message)]
     assert engine.batch_check.audits >= bc.DENSE and engine.batch_check.outcome.independent
-    with pytest.raises(BatchDependenceError, match="longest record was removed"):
+    with pytest.raises(BatchDependenceError, match="record was removed"):  # whichever audit sees the padding
         _token_run(left, 3, positions=False)  # left padding without the positions: caught

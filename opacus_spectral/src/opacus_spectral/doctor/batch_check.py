@@ -139,6 +139,7 @@ class BatchCheck:
         self.model = unwrap(module)
         self.outcome: Comparison | None = None
         self.seconds: float | None = None
+        self.total_seconds = 0.0  #: the audits' time so far (the cost table of docs/results/batch_check_cost.json)
         self.audits = self.forwards = 0
         self.train_mode: bool | None = None  #: whether audits run in training mode (decided at the first)
         self._running = False
@@ -199,6 +200,7 @@ class BatchCheck:
         finally:
             self._running = False
             self.seconds = time.perf_counter() - start
+            self.total_seconds += self.seconds
 
     def _check(self, args: Any, kwargs: Any, items: list[Any], collated: Any) -> None:
         call = (tuple(args), dict(kwargs))
