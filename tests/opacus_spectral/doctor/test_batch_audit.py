@@ -71,8 +71,8 @@ def _steps(gsm, opt, dl, count, before_step=None):
             if before_step is not None:
                 before_step(done)
             opt.zero_grad()
-            if len(x):
-                nn.functional.cross_entropy(gsm(x), y).backward()
+            out = gsm(x)  # an empty Poisson batch too
+            (nn.functional.cross_entropy(out, y) if len(x) else out.sum() * 0.0).backward()
             opt.step()
             done += 1
             if done == count:
@@ -185,9 +185,9 @@ def _token_run(collate, steps, *, positions=False):
     while done < steps:
         for ids, mask, y in dl:
             opt.zero_grad()
-            if len(y):
-                extra = {"position_ids": positions_from_mask(mask)} if positions else {}
-                nn.functional.cross_entropy(gsm(ids, mask, **extra), y).backward()
+            extra = {"position_ids": positions_from_mask(mask)} if positions else {}
+            out = gsm(ids, mask, **extra)  # an empty Poisson batch too
+            (nn.functional.cross_entropy(out, y) if len(y) else out.sum() * 0.0).backward()
             opt.step()
             done += 1
             if done == steps:

@@ -14,7 +14,9 @@ per-entry std s = σ·C, a correct release has, exactly:
 Each test is a χ² tail bound (Laurent–Massart: P(χ²_n − n ≥ 2√(nx) + 2x) ≤ e^{−x}, P(n − χ²_n ≥ 2√(nx)) ≤ e^{−x})
 at x = 30, so a correct run fails a step with probability below 10⁻¹²; with d = 10⁴ coordinates the marginal test
 catches a std 5.5 % below the charge. The statistics stay on the tensors' device; on a CPU they are checked at once, on
-an accelerator by ``torch._assert_async`` before the update, with the message at the next check.
+an accelerator by ``torch._assert_async`` before the update, with the message at the next check. The coordinates it
+keeps of the last b − 1 steps' noise are as secret as the noise stream's buffers: held in memory only, never saved,
+logged or shown (its messages give ratios of variances).
 """
 
 from __future__ import annotations

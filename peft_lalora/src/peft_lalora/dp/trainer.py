@@ -30,4 +30,3 @@ def opacus_spectral_alternation_controller(trainer: Any) -> AlternationControlle
     if len(schedules) == 1:
         return AlternationController(model, trainer, schedule=schedules.pop())
     return AlternationController(model, trainer)  # none active, or several that disagree: the controller says which
-
