@@ -80,9 +80,9 @@ class CollateRecorder:
 
 
 @contextmanager
-def audit_forward(model: nn.Module, owner: Any, *, train: bool) -> Iterator[None]:
-    """The audit's forwards: training mode with dropout modules off (``train``; else eval mode), Opacus' hooks off, a
-    forked RNG, and the buffers (running statistics) restored on exit."""
+def quiet_forward(model: nn.Module, owner: Any, *, train: bool = False) -> Iterator[None]:
+    """Forwards that leave training untouched: eval mode, or (``train``) training mode with dropout modules off;
+    Opacus' hooks off (``owner.hooks_enabled``), a forked RNG, and modes and buffers (running statistics) restored."""
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     enabled = getattr(owner, "hooks_enabled", None)
@@ -102,25 +102,6 @@ def audit_forward(model: nn.Module, owner: Any, *, train: bool) -> Iterator[None
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-            if enabled is not None:
-                owner.hooks_enabled = enabled
-
-
-@contextmanager
-def quiet_forward(model: nn.Module, owner: Any) -> Iterator[None]:
-    """Eval mode, Opacus' hooks off (``owner.hooks_enabled``), a forked RNG; everything restored on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    enabled = getattr(owner, "hooks_enabled", None)
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):
-        model.eval()
-        if enabled is not None:
-            owner.hooks_enabled = False
-        try:
-            yield
-        finally:
-            for m, training in modes:
-                m.training = training
             if enabled is not None:
                 owner.hooks_enabled = enabled
 
@@ -232,7 +213,7 @@ class BatchCheck:
         self._report(self.outcome, tol, removal)
 
     def _forward(self, call: Any, values: tuple[dict, dict], *, seed: int | None = None) -> Any:
-        with audit_forward(self.model, self.module, train=bool(self.train_mode)), torch.no_grad():
+        with quiet_forward(self.model, self.module, train=bool(self.train_mode)), torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
             return self.model(*rebuild(call[0], values[0]), **rebuild(call[1], values[1]))

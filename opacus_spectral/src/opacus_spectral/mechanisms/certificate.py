@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from opacus.optimizers import DistributedDPOptimizer, DistributedDPOptimizerFast
 
 from ..errors import NoiseCertificateError
 from ..step.noise_std import effective_noise_multiplier
-from .strategy import BandedToeplitz
+from .strategy import BandedToeplitz, RowNorms
 
 __all__ = ["CERTIFICATE_ATTR", "NoiseCertificate", "SAMPLE_PER_TENSOR", "TAIL", "certificate_of"]
 
@@ -62,7 +63,7 @@ class NoiseCertificate:
 
     def __init__(self, coefficients: Sequence[float] = (1.0,)) -> None:
         self.strategy = BandedToeplitz(tuple(coefficients))
-        self._rows = self.strategy.row_norms(64)
+        self.row = RowNorms(self.strategy)  #: ‖row_t(M⁻¹)‖, the released noise's std at step t in units of σC
         self._seed = int.from_bytes(os.urandom(8), "big") >> 1  # the sample's coordinates: unknown to the loop
         self.reset()
 
@@ -75,11 +76,6 @@ class NoiseCertificate:
         self._total = [0.0, 0]  # Σ‖w‖²/s² and the count of whitened entries, over the run
         self._pending: list[tuple[str, torch.Tensor, float, float]] = []
         self._last: tuple[Any, Any] = (None, None)
-
-    def row(self, t: int) -> float:
-        if t >= len(self._rows):
-            self._rows = self.strategy.row_norms(max(2 * len(self._rows), t + 1))
-        return float(self._rows[t])
 
     def check(self, optimizer: Any) -> None:
         """Certify the step whose noise ``optimizer`` has just released (from its step hook); raise
@@ -112,10 +108,11 @@ class NoiseCertificate:
     def _marginal(self, realized: list[torch.Tensor], params: list[Any], s: float, unscale: float, t: int) -> None:
         d = sum(r.numel() for r in realized)
         charged = (s * self.row(t)) ** 2
-        squares = torch.stack([r.square().sum() for r in realized]).sum()
+        squares = torch.stack(torch._foreach_norm(realized)).square().sum()
         # float rounding of p.grad = (sum + noise)/(B·k) and back: a few ulps of the released entries
         eps = max(torch.finfo(p.grad.dtype).eps for p in params)
-        released = torch.stack([(p.grad.detach().float() * unscale).square().sum() for p in params]).sum()
+        grads = [p.grad.detach().float() for p in params]
+        released = torch.stack(torch._foreach_norm(grads)).square().sum() * unscale**2
         slack = (8 * eps) ** 2 * released / (d * charged)
         lo, hi = chi2_bounds(d)
         self._expect("marginal", squares / (d * charged), lo - slack, hi + slack)
@@ -190,6 +187,5 @@ def _verdict(what: str, value: float, lo: float, hi: float, step: int) -> None:
 
 def _coordinates(n: int, seed: int, device: torch.device) -> torch.Tensor:
     """Up to :data:`SAMPLE_PER_TENSOR` distinct coordinates of a tensor of ``n`` entries, from a secret seed."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(n, SAMPLE_PER_TENSOR)
-    return torch.randperm(n, generator=g)[:k].to(device)
+    picked = random.Random(seed).sample(range(n), min(n, SAMPLE_PER_TENSOR))  # O(k) memory: no permutation of n
+    return torch.tensor(picked, dtype=torch.long, device=device)

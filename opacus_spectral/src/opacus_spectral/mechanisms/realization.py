@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .base import NoiseMechanism, check_contract
-from .strategy import Accounting, BandedToeplitz
+from .strategy import Accounting, BandedToeplitz, RowNorms
 from .stream import BandStream
 
 __all__ = ["Realization", "realize"]
@@ -34,7 +34,7 @@ class Realization:
         self.strategy = strategy
         self.steps = steps
         self._stream = BandStream(strategy.coefficients)
-        self._row_norms = strategy.row_norms(max(1, steps or 1))
+        self.row_norm = RowNorms(strategy, steps or 1)  #: ‖row_t(M⁻¹)‖ for any t (the run may go past its length)
         self._t = 0  # the stream's step (0 after a reset: a resumed run's fresh stream)
 
     @property
@@ -68,12 +68,6 @@ class Realization:
     def noise(self, key: Hashable, z: torch.Tensor) -> torch.Tensor:
         """The noise released for tensor ``key`` this step, from the engine's i.i.d. draw ``z``."""
         return self._stream.advance(key, z)
-
-    def row_norm(self, t: int) -> float:
-        """‖row_t(M⁻¹)‖ for any t ≥ 0 (computed further on demand: the run may go past its declared length)."""
-        if t >= len(self._row_norms):
-            self._row_norms = self.strategy.row_norms(max(2 * len(self._row_norms), t + 1))
-        return float(self._row_norms[t])
 
     def std_factor(self) -> float:
         """‖row_t(M⁻¹)‖ at the stream's current step (1/c_0 at its first)."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from scipy.signal import lfilter
 
-__all__ = ["Accounting", "BandedToeplitz", "STABILITY_MARGIN"]
+__all__ = ["Accounting", "BandedToeplitz", "RowNorms", "STABILITY_MARGIN"]
 
 #: a root of c(z) with modulus at most 1 + this is refused (the roots are computed in float64)
 STABILITY_MARGIN = 1e-9
@@ -106,6 +106,19 @@ class BandedToeplitz:
         """‖row_t(M⁻¹)‖₂ for t < T: √(Σ_{k≤t} d_k²) — the per-entry std of the released noise at step t in units of
         σC, O(T·b) time and O(T) memory (no T × T matrix)."""
         return np.sqrt(np.cumsum(self.impulse_response(steps) ** 2))
+
+
+class RowNorms:
+    """‖row_t(M⁻¹)‖ of a strategy for any step t, computed ahead (doubling) as a run goes past what was asked."""
+
+    def __init__(self, strategy: BandedToeplitz, steps: int = 64) -> None:
+        self.strategy = strategy
+        self._norms = strategy.row_norms(max(1, steps))
+
+    def __call__(self, t: int) -> float:
+        if t >= len(self._norms):
+            self._norms = self.strategy.row_norms(max(2 * len(self._norms), t + 1))
+        return float(self._norms[t])
 
 
 def smallest_root(coefficients: Sequence[float]) -> float:
