@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -92,6 +93,63 @@ def test_grid_command_smoke_tunes_evaluates_paired_and_reports(tmp_path: Path, m
         assert acc == first[("none", s, e)]
     assert (tmp_path / "s.png").is_file()
     assert out["analysis"]
+    from dp_bench.meta import checkout
+
+    for r in saved["runs"].values():  # every run proves its code, its time and its sampler (§12.G)
+        p = r["provenance"]
+        assert {k: p[k] for k in ("commit", "dirty", "diff")} == checkout() and p["started"] <= p["ended"]
+        assert (p["sampler"], p["adjacency"], p["accountant"]) == ("poisson", "add/remove", "prv")
+
+
+def test_the_grid_prints_validation_only_and_reports_test_once_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While a grid runs nothing prints a test score; ``--replot`` (its report, test included) refuses an
+    incomplete grid (§12.G)."""
+    from dp_bench.commands import grid
+
+    monkeypatch.setenv("FASHION_MNIST_ROOT", str(synthetic_fmnist(tmp_path / "data")))
+    argv = ["--smoke", "--methods", "none", "--epsilons", "3", "--out", str(tmp_path), "--name", "v", "--no-references"]
+    grid.main(argv)
+    printed = capsys.readouterr()
+    text = printed.err + printed.out
+    assert re.search(r" val 0\.\d{4}", text) and not re.search(r"test \d", text)  # no test score printed
+    assert "--replot" in printed.out
+    stored = json.loads((tmp_path / "v.json").read_text())
+    assert grid.missing_cells(stored) == 0
+    del stored["runs"][next(k for k in stored["runs"] if k.startswith("eval|"))]
+    (tmp_path / "v.json").write_text(json.dumps(stored))
+    assert grid.missing_cells(stored) == 1
+    with pytest.raises(SystemExit, match="1 planned cells are not run yet"):
+        grid.main([*argv, "--replot"])
+    assert "final test" not in capsys.readouterr().out
+
+
+def test_several_tuning_seeds_plan_a_cell_each_and_record_each_seeds_score() -> None:
+    from dp_bench import runner
+    from dp_bench.commands import grid
+
+    cfg = grid.Config(
+        methods=["none"], optimizers=["sgd"], batches=[256], epsilons=[3.0], seeds=[0], references=False,
+        tune_seeds=[100, 101, 102], lr_grid_sgd=[1.0, 2.0, 4.0],
+    )  # fmt: skip
+    plan = grid.planned(cfg)
+    assert [(c.phase, c.seed) for c in plan] == [("tune", 100), ("tune", 101), ("tune", 102), ("eval", 0)]
+    result: dict = {"runs": {}, "lr_choice": {}}
+    scores = {100: (0.9, 0.5, 0.4), 101: (0.1, 0.6, 0.5), 102: (0.1, 0.6, 0.5)}  # seed 100 alone would choose 1
+    for seed, vals in scores.items():
+        for lr, v in zip((1.0, 2.0, 4.0), vals, strict=True):
+            result["runs"][grid.run_key("tune", "none", "sgd", 256, 3.0, seed, lr)] = {"final_val": v}
+    assert grid.GridSchedule(cfg).lrs(plan[-1], result) == [2.0]
+    choice = result["lr_choice"]["none|sgd|B256"]
+    assert choice["val"][2.0] == pytest.approx(0.5666666, abs=1e-6) and choice["val_by_seed"][100][1.0] == 0.9
+    with pytest.raises(SystemExit):
+        from dp_bench.config import parse_config
+
+        parse_config(grid.Config, ["--tune-seeds", "0", "--seeds", "0", "1"], prog="dp-bench grid", description="")
+    assert runner.next_run(result["runs"], plan, grid.GridSchedule(cfg), result, lambda k: True)[0][2].startswith(
+        "eval|none|sgd|B256|eps3|s0|lr2"
+    )
 
 
 def test_resume_may_grow_the_grid_but_never_drop_or_change_what_is_stored() -> None:
@@ -169,6 +227,16 @@ def test_grid_grown_on_resume_keeps_its_runs_and_lr_choice_and_adds_only_the_new
     assert len(grown["commands"]) == 2 and grown["config"]["epsilons"] == [3.0, 1.0]
     with pytest.raises(SystemExit, match="may grow"):
         grid.main([*base, "--epsilons", "3", "--resume"])  # would drop the stored ε = 1 runs
+    key = next(iter(grown["runs"]))
+    grown["runs"][key]["provenance"]["commit"] = "0" * 40  # a run made by other code
+    (tmp_path / "g.json").write_text(json.dumps(grown))
+    with pytest.raises(SystemExit, match="other code"):
+        grid.main([*base, "--epsilons", "3", "1", "8", "--resume"])
+    grid.main([*base, "--epsilons", "3", "1", "8", "--resume", "--allow-mixed-commits"])
+    mixed = json.loads((tmp_path / "g.json").read_text())["mixed_commits"]
+    from dp_bench.meta import checkout
+
+    assert len(mixed) == 1 and mixed[0]["commit"] == checkout()["commit"] != "0" * 40
 
 
 def test_more_lr_extensions_on_resume_move_an_edge_choice_and_supersede_its_evaluations() -> None:

@@ -239,7 +239,7 @@ def test_references_may_take_the_baselines_lr_and_run_on_fewer_seeds() -> None:
     assert sorted(refs) == [("clip-only", 0), ("nonprivate", 0)]
     result: dict = {"runs": {}, "lr_choice": {}}
     for lr in cfg.lr_grid_adamw:  # none's tuning round stored: its choice is final, the references may start
-        key = grid.run_key("tune", "none", "adamw", 64, 5.4, cfg.tune_seed, lr)
+        key = grid.run_key("tune", "none", "adamw", 64, 5.4, cfg.tune_seeds[0], lr)
         result["runs"][key] = {"final_val": -3.0 if lr == 1e-3 else -4.0}
     ref_only = [c for c in plan if c.method in grid.REFERENCES or (c.phase == "tune" and c.method == "none")]
     run, _, _ = runner.next_run(result["runs"], ref_only, grid.GridSchedule(cfg), result, lambda key: True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from dp_bench import runner
 from dp_bench.store import SharedResult
 
@@ -22,11 +23,30 @@ def test_a_tuning_round_is_a_pure_function_of_the_stored_runs():
     runs = {cell.key(lr): {"val": v} for lr, v in ((1.0, 0.5), (2.0, 0.7))}
     runs[runner.Cell("tune", "other", 3.0, 100).key(1.0)] = {"val": 9.0}  # another cell's run is not counted
     metric = lambda r: r["val"]  # noqa: E731
-    assert runner.tune_round({}, cell, [1.0, 2.0], 1, metric) == ([1.0, 2.0], None, {})
-    todo, best, tried = runner.tune_round(runs, cell, [1.0, 2.0], 1, metric)
-    assert (todo, best, tried) == ([4.0], None, {1.0: 0.5, 2.0: 0.7})  # the best at the edge: one step outward
+    assert runner.tune_round({}, [cell], [1.0, 2.0], 1, metric) == ([[1.0, 2.0]], None, {})
+    todo, best, tried = runner.tune_round(runs, [cell], [1.0, 2.0], 1, metric)
+    assert (todo, best, tried) == ([[4.0]], None, {1.0: 0.5, 2.0: 0.7})  # the best at the edge: one step outward
     runs[cell.key(4.0)] = {"val": 0.6}
-    assert runner.tune_round(runs, cell, [1.0, 2.0], 1, metric)[:2] == ([], 2.0)
+    assert runner.tune_round(runs, [cell], [1.0, 2.0], 1, metric)[:2] == ([[]], 2.0)
+
+
+def test_a_tuning_round_over_several_seeds_chooses_by_the_mean_of_rates_stored_for_every_seed():
+    """Three tuning seeds (docs/results.md §12.G): a rate counts once every seed has it; the choice is the best
+    mean, where one seed alone would choose another rate; an extension is run by each seed that lacks it."""
+    cells = [runner.Cell("tune", "m", 3.0, s) for s in (100, 101, 102)]
+    metric = lambda r: r["val"]  # noqa: E731
+    vals = {100: (0.50, 0.49, 0.40), 101: (0.40, 0.48, 0.41), 102: (0.41, 0.47, 0.40)}  # at lr 1, 2, 4
+    runs = {c.key(lr): {"val": v} for c in cells[:2] for lr, v in zip((1.0, 2.0, 4.0), vals[c.seed], strict=True)}
+    todo, best, tried = runner.tune_round(runs, cells, [1.0, 2.0, 4.0], 3, metric)
+    assert todo == [[], [], [1.0, 2.0, 4.0]] and best is None and tried == {}
+    runs.update({cells[2].key(lr): {"val": v} for lr, v in zip((1.0, 2.0, 4.0), vals[102], strict=True)})
+    runs[cells[0].key(8.0)] = {"val": 0.9}  # one seed ahead: not counted until every seed has it
+    todo, best, tried = runner.tune_round(runs, cells, [1.0, 2.0, 4.0], 3, metric)
+    assert todo == [[], [], []] and best == 2.0 and tried[2.0] == pytest.approx(0.48)  # seed 100 alone: lr 1
+    runs = {c.key(lr): {"val": lr / 10} for c in cells for lr in (1.0, 2.0)}  # best at the upper edge
+    runs[cells[1].key(4.0)] = {"val": 0.1}
+    todo, best, _ = runner.tune_round(runs, cells, [1.0, 2.0], 3, metric)
+    assert todo == [[4.0], [], [4.0]] and best is None
 
 
 class _Fixed:

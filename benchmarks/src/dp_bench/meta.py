@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import importlib.metadata as md
 import os
 import platform
 import re
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PACKAGES", "PLUGIN_GROUP", "RESULTS", "machine", "plugin_versions", "quiet_warnings", "versions"]
+__all__ = [
+    "PACKAGES",
+    "PLUGIN_GROUP",
+    "RESULTS",
+    "checkout",
+    "machine",
+    "now_utc",
+    "plugin_versions",
+    "quiet_warnings",
+    "versions",
+]
 
-#: where the commands write by default: ``docs/results`` of the repository checkout dp-bench lives in
-RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
+#: the repository checkout dp-bench lives in
+CHECKOUT = Path(__file__).resolve().parents[3]
+#: where the commands write by default: ``docs/results`` of that checkout
+RESULTS = CHECKOUT / "docs" / "results"
 
 PACKAGES = (
     "torch",
@@ -85,3 +100,32 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg(),
     }
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+
+def checkout(root: Path = CHECKOUT) -> dict[str, Any]:
+    """``{"commit", "dirty", "diff"}`` of the checkout the code runs from: its HEAD; whether any file differs from
+    it (modified, staged, or untracked and not ignored), the results folder ``docs/results/`` excepted — the grids
+    write there while they run; and, when dirty, a SHA-256 of those differences (the diff against HEAD and every
+    such untracked file's name and bytes), so that two runs from one uncommitted state match and no others do.
+    All None outside a git checkout."""
+    where = ("--", ".", ":(exclude)docs/results")
+    try:
+        commit = _git(root, "rev-parse", "HEAD").strip()
+        status = _git(root, "status", "--porcelain", *where)
+        if not status.strip():
+            return {"commit": commit, "dirty": False, "diff": None}
+        digest = hashlib.sha256(_git(root, "diff", "HEAD", "--binary", *where).encode())
+        for name in sorted(_git(root, "ls-files", "--others", "--exclude-standard", *where).splitlines()):
+            digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None, "diff": None}
+    return {"commit": commit, "dirty": True, "diff": digest.hexdigest()}
+
+
+def now_utc() -> str:
+    """The time now, UTC, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["accounting", "bands_of", "mechanism_of_method"]
+__all__ = ["accounting", "bands_of", "mechanism_of_method", "sampler_of"]
 
 
 def bands_of(method: str) -> int | None:
@@ -38,3 +38,13 @@ def accounting(method: str, q: float, steps: int) -> tuple[float, int]:
     (b·q, ⌈steps/b⌉) with cyclic Poisson sampling, DP-SGD's (q, steps) otherwise."""
     bands = bands_of(method) or 1
     return bands * q, math.ceil(steps / bands)
+
+
+def sampler_of(method: str) -> dict[str, str]:
+    """The batch sampler a method trains with and the adjacency its ε holds for: Poisson sampling (Opacus') for
+    DP-SGD; for ``bandmf:<b>`` / ``cyclic:<b>`` the shipped cyclic Poisson sampler, each record's group drawn
+    independently (``opacus_spectral.mechanisms.cyclic``) — both add/remove. (§12.1–§12.6 ran an earlier
+    equal-split sampler, zero-out adjacency only; its runs carry no such record.)"""
+    if bands_of(method) is None:
+        return {"sampler": "poisson", "adjacency": "add/remove"}
+    return {"sampler": "cyclic_poisson:independent_groups", "adjacency": "add/remove"}

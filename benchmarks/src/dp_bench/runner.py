@@ -81,23 +81,25 @@ class Schedule(Protocol):
 
 def tune_round(
     runs: Mapping[str, dict[str, Any]],
-    cell: Cell,
+    cells: Sequence[Cell],
     base: Sequence[float],
     extensions: int,
     metric: Callable[[dict[str, Any]], float],
-) -> tuple[list[float], float | None, dict[float, float]]:
-    """``(to run, best, tried)`` of a tuning cell, from the stored ``runs`` (key → record) alone: first ``base``;
-    once all of it is stored, the best ``metric`` among everything tried and, when it lies at an end of what was
+) -> tuple[list[list[float]], float | None, dict[float, float]]:
+    """``(to run, best, tried)`` of one arm's tuning ``cells`` (one per tuning seed), from the stored ``runs``
+    (key → record) alone. ``tried``: the mean ``metric`` over the cells of every rate stored for all of them. First
+    ``base``; once all of it is stored in every cell, the best of ``tried`` and, when it lies at an end of what was
     tried, the next value outward (a factor 2, at most ``extensions`` times: :func:`dp_bench.lr_rule.lr_edge_step`).
-    ``best`` is None while a round is open; ``to run`` is ``[]`` once the choice is final."""
-    n = len(cell.prefix)
-    tried = {float(k[n:]): metric(r) for k, r in runs.items() if k.startswith(cell.prefix)}
-    missing = [lr for lr in base if lr not in tried]
-    if missing:
-        return missing, None, tried
-    best, nxt = lr_edge_step(tried, list(base), extensions)
-    todo = [lr for lr in nxt if lr not in tried]
-    return todo, (None if todo else best), tried
+    ``to run``: per cell, the round's rates it has not stored; ``best`` is None while a round is open."""
+    scores = [{float(k[len(c.prefix) :]): metric(r) for k, r in runs.items() if k.startswith(c.prefix)} for c in cells]
+    complete = set.intersection(*(set(s) for s in scores)) if scores else set()
+    tried = {lr: sum(s[lr] for s in scores) / len(scores) for lr in sorted(complete)}
+    if any(lr not in complete for lr in base):
+        wanted, best = list(base), None
+    else:
+        best, wanted = lr_edge_step(tried, list(base), extensions)
+    todo = [[lr for lr in wanted if lr not in s] for s in scores]
+    return todo, (None if any(todo) else best), tried
 
 
 def next_run(
@@ -188,9 +190,11 @@ def load(path: Path, report: Any) -> dict[str, Any]:
     return upgrade(result) if upgrade is not None else result
 
 
-def finish(result: dict[str, Any], report: Any, png: Path | None, save: Callable[[], None]) -> dict[str, Any]:
+def finish(
+    result: dict[str, Any], report: Any, png: Path | None, save: Callable[[], None], *, show: bool = True
+) -> dict[str, Any]:
     """The analysis into ``result`` (when the report has one), ``save()`` (the JSON), the plot at ``png`` (when
-    given and the report draws one); the tables printed."""
+    given and the report draws one); the tables printed unless ``show`` is False."""
     analyze = _part(report, "analyze")
     if analyze is not None:
         result["analysis"] = analyze(result)
@@ -199,7 +203,8 @@ def finish(result: dict[str, Any], report: Any, png: Path | None, save: Callable
     if png is not None and plot is not None:
         png.parent.mkdir(parents=True, exist_ok=True)
         plot(result, png)
-    print(report.tables(result))
+    if show:
+        print(report.tables(result))
     return result
 
 

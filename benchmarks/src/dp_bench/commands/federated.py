@@ -344,10 +344,10 @@ class FederatedSchedule:
             choice[method] = {"lr": a.lr_grid[0], "val_last3": {}, "tuned": False}
             return []
         last3 = functools.partial(report.metric, name="last3")
-        todo, best, tried = runner.tune_round(result["runs"], cell, a.lr_grid, a.max_extensions, last3)
+        todo, best, tried = runner.tune_round(result["runs"], [cell], a.lr_grid, a.max_extensions, last3)
         if best is not None:
             choice[method] = {"lr": best, "val_last3": {f"{lr:g}": v for lr, v in sorted(tried.items())}, "tuned": True}
-        return todo
+        return todo[0]
 
 
 def borrow_lrs(grid: Grid) -> None:

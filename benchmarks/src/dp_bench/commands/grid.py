@@ -41,6 +41,7 @@ Protocol (docs/results.md §7, written before the runs):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -57,8 +58,8 @@ from .. import runner
 from ..adapters import Trainable, build_top
 from ..config import as_json, opt, parse_config, recorded_config, same_config, start
 from ..lm_task import LMTask, lora_model, run_options, smollm2_shakespeare_task
-from ..meta import RESULTS
-from ..noise_methods import accounting, bands_of, mechanism_of_method
+from ..meta import RESULTS, checkout, now_utc
+from ..noise_methods import accounting, bands_of, mechanism_of_method, sampler_of
 from ..runner import Cell
 from ..store import SharedResult
 from ..task import FrozenTextTask, ImageTask, fashion_mnist_task, frozen_text_task
@@ -120,7 +121,9 @@ class Config:
     epochs: float = opt(20.0, "step budget, in passes over the training split")
     steps: int = opt(0, "step budget in logical steps (overrides --epochs when > 0)")
     seeds: list[int] = opt([0, 1, 2, 3, 4], "evaluation seeds (paired across methods)")
-    tune_seed: int = opt(100, "seed of the learning-rate runs (not an evaluation seed)")
+    tune_seeds: list[int] = opt(
+        [100], "seeds of the learning-rate runs (not evaluation seeds): a rate scores its mean validation over them"
+    )
     tune_epsilon: float = opt(3.0, "ε of the learning-rate runs")
     lr_grid_sgd: list[float] = opt(LR_GRIDS["sgd"], "SGD learning rates tried", type=float)
     lr_grid_adamw: list[float] = opt(LR_GRIDS["adamw"], "AdamW learning rates tried", type=float)
@@ -153,6 +156,10 @@ class Config:
     out: Path = opt(RESULTS, "output folder (<name>.json, <name>.png)")
     name: str = opt("grid", "file stem of the outputs")
     resume: bool = opt(False, "keep the runs already in the JSON")
+    allow_mixed_commits: bool = opt(
+        False,
+        "--resume: add runs from another code state (commit or uncommitted changes) than the stored runs' (recorded)",
+    )
     replot: bool = opt(False, "only the tables and the plot from the JSON")
     measure_speed: bool = opt(False, "only measure ghost clipping vs hooks")
     smoke: bool = opt(False, "tiny budget (plumbing check)")
@@ -166,6 +173,12 @@ class Config:
             raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
         if "none" not in self.methods:
             raise ValueError("--methods must include the baseline 'none'")
+        if (
+            not self.tune_seeds
+            or set(self.tune_seeds) & set(self.seeds)
+            or len(set(self.tune_seeds)) < len(self.tune_seeds)
+        ):
+            raise ValueError("--tune-seeds: one or more distinct seeds, none of them an evaluation seed (--seeds)")
         if self.target_epsilon not in self.epsilons:
             raise ValueError("--target-epsilon must be one of --epsilons")
         if self.model in ("minilm", "smollm2") and ("disk" in self.methods or self.measure_speed):
@@ -371,6 +384,7 @@ def one_run(
 ) -> dict[str, Any]:
     """Train one (method, optimizer, B, ε, lr, seed) and return its record (curves, ε, oracle, gates). A tuning
     run without ``--tune-test-curve`` scores the test split only at its end (the lr choice reads validation)."""
+    started = now_utc()
     q = batch / len(task.train)
     hooks, momentum, nm, clip = method_setup(cfg, method, eps, q, steps)
     model = new_model(cfg, task, seed)
@@ -413,19 +427,73 @@ def one_run(
         "sample_rate": q,
         **outcome(r, oracle, nm, *accounting(method, q, steps)),
         "wall_seconds": time.perf_counter() - t0,
+        "provenance": provenance(method, started),
     }
 
 
+def provenance(method: str, started: str) -> dict[str, Any]:
+    """Where and when a run was made (docs/results.md §12.G): the code state (:func:`dp_bench.meta.checkout`), its
+    start and end (UTC), the sampler and adjacency its ε holds for, and the accountant with its package version."""
+    import opacus
+
+    return {
+        **checkout(),
+        "started": started,
+        "ended": now_utc(),
+        **sampler_of(method),
+        "accountant": "prv",
+        "accountant_version": f"opacus {opacus.__version__}",
+    }
+
+
+def code_state(p: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match for runs to come from the same code: the commit and the uncommitted changes' digest."""
+    return (p.get("commit"), p.get("dirty"), p.get("diff"))
+
+
+def check_one_code_state(result: dict[str, Any], cfg: Config) -> None:
+    """Refuse to add runs from a code state other than the stored runs' (a run without a record counts as
+    another) unless ``--allow-mixed-commits``, which is recorded in ``result["mixed_commits"]``."""
+    here = code_state(checkout())
+    others = sorted({code_state(r.get("provenance", {})) for r in result["runs"].values()} - {here}, key=str)
+    if not others:
+        return
+    if not cfg.allow_mixed_commits:
+        raise SystemExit(
+            f"{cfg.name}: its stored runs come from other code ({', '.join(str(o[0])[:12] for o in others)}) than "
+            f"this checkout ({str(here[0])[:12]}{', uncommitted changes' if here[1] else ''}); rerun from that code, "
+            "or pass --allow-mixed-commits (recorded in the JSON)"
+        )
+    result.setdefault("mixed_commits", []).append(
+        {"at": now_utc(), "commit": here[0], "dirty": here[1], "diff": here[2]}
+    )
+
+
+def choose(result: dict[str, Any], cfg: Config, method: str, parts: tuple[str, ...]) -> tuple[list[list[float]], bool]:
+    """``(to run per tuning seed, final)`` of an arm's learning-rate choice in the cell ``parts`` (optimizer, B):
+    :func:`dp_bench.runner.tune_round` over the ``--tune-seeds`` (first ``--lr-grid``, then the next value outward
+    while the best mean validation lies at an end of what was tried, at most ``--lr-extensions`` times). A final
+    choice is recorded in ``result["lr_choice"]``: the rate, the mean validation of every rate tried and, with
+    several tuning seeds, each seed's."""
+    optimizer, batch = parts
+    cells = [Cell("tune", method, cfg.tune_epsilon, s, parts) for s in cfg.tune_seeds]
+    base = cfg.lr_grid(optimizer, method)
+    todo, best, tried = runner.tune_round(result["runs"], cells, base, cfg.lr_extensions, lambda r: r["final_val"])
+    if best is None:
+        return todo, False
+    choice: dict[str, Any] = {"lr": best, "val": dict(sorted(tried.items()))}
+    if len(cells) > 1:
+        runs = result["runs"]
+        choice["val_by_seed"] = {c.seed: {lr: runs[c.key(lr)]["final_val"] for lr in tried} for c in cells}
+    result["lr_choice"][f"{method}|{optimizer}|{batch}"] = choice
+    return todo, True
+
+
 def tune_round(result: dict[str, Any], cfg: Config, cell: Cell) -> list[float]:
-    """The learning rates of a tuning cell's open round that are not stored yet; ``[]`` once the choice is final,
-    which is then recorded in ``result["lr_choice"]`` (:func:`dp_bench.runner.tune_round`: first ``--lr-grid``, then
-    the next value outward while the best lies at an end of what was tried, at most ``--lr-extensions`` times)."""
-    optimizer, batch = cell.cell
-    base = cfg.lr_grid(optimizer, cell.method)
-    todo, best, tried = runner.tune_round(result["runs"], cell, base, cfg.lr_extensions, lambda r: r["final_val"])
-    if best is not None:
-        result["lr_choice"][f"{cell.method}|{optimizer}|{batch}"] = {"lr": best, "val": dict(sorted(tried.items()))}
-    return todo
+    """The learning rates of a tuning cell's open round that are not stored yet (``[]`` once its seed has run the
+    round; the choice is final once every tuning seed has: :func:`choose`)."""
+    todo, _ = choose(result, cfg, cell.method, cell.cell)
+    return todo[cfg.tune_seeds.index(cell.seed)]
 
 
 @dataclass
@@ -443,8 +511,7 @@ class GridSchedule:
         if not self.cfg.tune:
             return self.cfg.lr_grid(optimizer, cell.method)  # its one value (validated)
         method = cell.method if self.cfg.tune_references or cell.method not in REFERENCES else "none"
-        tuning = Cell("tune", method, self.cfg.tune_epsilon, self.cfg.tune_seed, cell.cell)
-        if tune_round(result, self.cfg, tuning):
+        if not choose(result, self.cfg, method, cell.cell)[1]:
             return None  # its learning rate is still being chosen
         return [result["lr_choice"][f"{method}|{optimizer}|{batch}"]["lr"]]
 
@@ -514,10 +581,11 @@ def planned(cfg: Config) -> list[Cell]:
     methods = cfg.arms()
     tuned = [m for m in methods if cfg.tune and (cfg.tune_references or m not in REFERENCES)]
     tune = [
-        cell_of("tune", m, o, b, cfg.tune_epsilon, cfg.tune_seed)
+        cell_of("tune", m, o, b, cfg.tune_epsilon, s)
         for b in cfg.batches
         for o in cfg.optimizers
         for m in tuned
+        for s in cfg.tune_seeds
     ]
     ref_seeds = set(cfg.seeds[: cfg.reference_seeds] if cfg.reference_seeds else cfg.seeds)
     evals = []
@@ -548,7 +616,7 @@ def resumable(stored: dict[str, Any], now: dict[str, Any]) -> bool:
     :data:`GROWABLE_COUNTS`. An option's default is the
     default on this bed (a setting another bed reads is recorded as None)."""
     defaults = as_json(Config(model=now["model"]))
-    ignore = {"resume", "threads", "out", *GROWABLE, *GROWABLE_COUNTS}
+    ignore = {"resume", "allow_mixed_commits", "threads", "out", *GROWABLE, *GROWABLE_COUNTS}
     if not same_config(stored, now, defaults=defaults, ignore=ignore):
         return False
     counts = all(stored.get(k, defaults[k]) <= now[k] for k in GROWABLE_COUNTS)
@@ -576,21 +644,52 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     result.setdefault("commands", [result["command"]] if "command" in result else [])
     result["commands"].append(header["command"])  # every invocation that built this JSON, in order
     result.update({**header, "data": task.info, "accountant": "prv (rdp beside it)"})
+    check_one_code_state(result, cfg)
     store = SharedResult(path, result, upgrade=REPORT.upgrade)
     t_start = time.perf_counter()
+    here = code_state(checkout())
 
     def train(cell: Cell, lr: float) -> dict[str, Any]:
         optimizer, batch = cell.cell
         b = int(batch.removeprefix("B"))
         rec = one_run(cfg, task, cell.method, optimizer, b, cell.eps, lr, cell.seed, budget(cfg, n, b), cell.phase)
-        tqdm.write(
-            f"{cell.key(lr):<44} val {rec['final_val']:.4f} test {rec['final_test']:.4f} ({rec['wall_seconds']:.0f}s)"
-        )
+        if code_state(rec["provenance"]) != here and not cfg.allow_mixed_commits:
+            raise SystemExit(f"{cfg.name}: the code changed while the grid ran; the run {cell.key(lr)} is not stored")
+        tqdm.write(f"{cell.key(lr):<44} val {rec['final_val']:.4f} ({rec['wall_seconds']:.0f}s)")  # no test score
         return rec
 
     runner.drive(store, planned(cfg), GridSchedule(cfg), train, desc=f"{cfg.name} grid")
     result["wall_seconds_this_invocation"] = time.perf_counter() - t_start
-    return runner.finish(result, REPORT, cfg.out / f"{cfg.name}.png", store.save)
+    out = runner.finish(result, REPORT, cfg.out / f"{cfg.name}.png", store.save, show=False)
+    print(f"{cfg.name}: complete; its report (test scores): dp-bench grid --name {cfg.name} --out {cfg.out} --replot")
+    return out
+
+
+def config_of(stored: dict[str, Any]) -> Config:
+    """The :class:`Config` a stored grid ran with (settings its bed does not read, recorded as None, at their
+    defaults)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: v for k, v in stored.items() if k in names and v is not None})
+    cfg.out = Path(cfg.out)
+    return cfg
+
+
+def missing_cells(result: dict[str, Any]) -> int:
+    """How many planned cells of a stored grid have no final run yet (0: complete): :func:`dp_bench.runner.next_run`
+    with the grid's schedule over its stored runs."""
+    cfg = config_of(result["config"])
+    plan, schedule = planned(cfg), GridSchedule(cfg)
+    done = runner.next_run(result["runs"], plan, schedule, {**result, "lr_choice": {}}, lambda k: False)[2]
+    return len(plan) - done
+
+
+def report(path: Path) -> dict[str, Any]:
+    """``--replot``: the grid's report — test scores included — only once every planned run is stored (the
+    choices on validation are then final: docs/results.md §12.G)."""
+    missing = missing_cells(runner.load(path, REPORT))
+    if missing:
+        raise SystemExit(f"{path}: {missing} planned cells are not run yet; the report is printed once it is complete")
+    return runner.replot(path, REPORT, path.with_suffix(".png"))
 
 
 def report_for(result: dict[str, Any]) -> Any:
@@ -604,6 +703,8 @@ class GridReport:
     as it is recorded now (:func:`dp_bench.config.recorded_config`: settings the bed does not read are None)."""
 
     def upgrade(self, result: dict[str, Any]) -> dict[str, Any]:
+        if "tune_seed" in result["config"]:  # grids before several tuning seeds (§12.G) tuned on one
+            result["config"]["tune_seeds"] = [result["config"].pop("tune_seed")]
         result["config"] = recorded_config(result["config"], Config)
         return result
 
@@ -627,5 +728,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return runner.replot(cfg.out / f"{cfg.name}_speed.json", SPEED_REPORT, None)
         return measure_speed(cfg, argv)
     if cfg.replot:
-        return runner.replot(cfg.out / f"{cfg.name}.json", REPORT, cfg.out / f"{cfg.name}.png")
+        return report(cfg.out / f"{cfg.name}.json")
     return run(cfg, argv)
