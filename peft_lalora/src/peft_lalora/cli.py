@@ -234,7 +234,7 @@ def _simulate(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.save_adapter is not None:
         from .federated.client.save import save_adapter
 
-        out["adapter"] = save_adapter(cfg, task, result.state, args.save_adapter)
+        out["adapter"] = save_adapter(cfg, task, result.state, args.save_adapter, out["privacy"])
     return out
 
 

@@ -269,3 +269,24 @@ def test_make_private_with_epsilon_on_a_trained_model_keeps_the_composed_target(
             opt.step()
     composed = epsilon_from_history([(1.0, Q, 3), (opt.noise_multiplier, Q, 8)], DELTA, "rdp")
     assert b.accountant.history[-1][2] == 8 and 5.9 <= b.get_epsilon(DELTA) == composed <= 6.0
+
+
+def test_a_record_of_disjoint_units_is_bounded_by_its_worst_unit_and_writes_only_with_every_delta(tmp_path):
+    """A record whose runs lie in different privacy units (a federation's clients): any one record is protected by
+    its own unit's ε, the largest of which is ``worst_epsilon``; composing every run is a looser bound."""
+    from opacus_spectral.accounting import PrivacyRecord, PrivacyRun, write_privacy_record
+
+    a, b = ((1.0, 0.1, 50),), ((0.8, 0.1, 50), (1.0, 0.05, 20))
+    runs = (PrivacyRun("a" * 32, 0, a, delta=1e-5), PrivacyRun("b" * 32, 1, b, delta=1e-5))
+    record = PrivacyRecord(runs)
+    worst = max(epsilon_from_history(list(h), 1e-5, "prv") for h in (a, b))
+    assert record.worst_epsilon(1e-5) == pytest.approx(worst, rel=1e-12)
+    assert (
+        record.worst_epsilon(1e-5)
+        < record.epsilon(1e-5)
+        == pytest.approx(epsilon_from_history([*a, *b], 1e-5, "prv"), rel=1e-12)
+    )
+    write_privacy_record(record, tmp_path)
+    assert read_privacy_record(tmp_path) == record
+    with pytest.raises(ValueError, match="needs delta="):
+        write_privacy_record(PrivacyRecord((PrivacyRun("c" * 32, 0, a),)), tmp_path / "x")

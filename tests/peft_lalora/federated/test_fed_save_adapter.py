@@ -54,6 +54,21 @@ def _assert_reloads(cfg, task, state, adapter_dir, base_factory, atol=0.0):
     torch.testing.assert_close(_logits(lora, task), ref, rtol=0, atol=atol)
 
 
+def _assert_record(privacy: dict, adapter_dir) -> None:
+    """The federation's ε travels with both saved adapters (issue 49): ``privacy_record.json`` in DIR and DIR/lora,
+    and in the LALoRA adapter's config; one privacy unit per client, its worst ε the ledger's max ε."""
+    from opacus_spectral.accounting import read_privacy_record
+
+    delta, accountant = privacy["delta"], privacy["accountant"]
+    for folder in (adapter_dir, adapter_dir / "lora"):
+        record = read_privacy_record(folder)
+        assert len({r.unit for r in record.runs}) == len(record.runs) == len(privacy["clients"]) >= 2
+        assert record.worst_epsilon(delta, accountant) == pytest.approx(privacy["max_epsilon"], rel=1e-9)
+        assert record.worst_epsilon(delta, accountant) < record.epsilon(delta, accountant)  # composing all: looser
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["privacy_record"]["runs"] == json.loads((adapter_dir / "privacy_record.json").read_text())["runs"]
+
+
 def test_simulation_saves_an_adapter_with_identical_logits(tmp_path):
     from fed_support import user_model_and_data
     from transformers import AutoModelForSequenceClassification
@@ -90,7 +105,9 @@ def test_simulation_saves_an_adapter_with_identical_logits(tmp_path):
     rc = main(["federate", *user, "--no-progress", "--out", str(tmp_path / "r.json"), "--save-adapter", str(adapter)])
     assert rc == 0
     res = json.loads((tmp_path / "r.json").read_text())
-    assert res["adapter"] == {"adapter": str(adapter), "lora": str(adapter / "lora")}
+    record = str(adapter / "privacy_record.json")
+    assert res["adapter"] == {"adapter": str(adapter), "lora": str(adapter / "lora"), "record": record}
+    _assert_record(res["privacy"], adapter)
     cfg = FederationConfig.from_dict(res["config"])
     task = build_task(cfg)
     state = run_simulation(cfg, progress=False, task=task).state  # the same run again (reproducible noise)
@@ -141,3 +158,4 @@ def test_flower_run_saves_the_adapter_and_removes_its_private_workdir(tmp_path, 
     task = build_task(cfg)
     sim = run_simulation(cfg, progress=False, task=task)  # Flower's global adapter is this one (test_fed_deploy)
     _assert_reloads(cfg, task, sim.state, tmp_path / "adapter", task.model, atol=1e-5)
+    _assert_record(out["privacy"], tmp_path / "adapter")

@@ -10,6 +10,7 @@ from .record import (
     privacy_record_of,
     read_privacy_record,
     save_privacy_record,
+    write_privacy_record,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "privacy_record_of",
     "read_privacy_record",
     "save_privacy_record",
+    "write_privacy_record",
 ]

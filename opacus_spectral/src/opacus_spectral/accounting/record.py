@@ -44,6 +44,7 @@ __all__ = [
     "privacy_record_of",
     "read_privacy_record",
     "save_privacy_record",
+    "write_privacy_record",
 ]
 
 RECORD_FILE = "privacy_record.json"
@@ -98,6 +99,11 @@ class PrivacyRecord:
     def epsilon(self, delta: float, accountant: str = "prv", unit: int | None = None) -> float:
         """ε at ``delta`` of the composed history (``unit=None``: every run, an upper bound for any unit)."""
         return epsilon_from_history(self.history(unit), delta, accountant)
+
+    def worst_epsilon(self, delta: float, accountant: str = "prv") -> float:
+        """The largest ε at ``delta`` over the privacy units: what any one record is protected by (a record lies in
+        one unit — e.g. one federated client's data)."""
+        return max(self.epsilon(delta, accountant, unit) for unit in sorted({r.unit for r in self.runs}))
 
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT, "version": VERSION, "runs": [r.to_dict() for r in self.runs]}
@@ -415,13 +421,19 @@ def save_privacy_record(model_or_engine: Any, folder: str | os.PathLike[str], *,
             "none was loaded with load_privacy_record)"
         )
     runs = tuple(r if r.delta is not None else replace(r, delta=delta) for r in record.runs)
-    if any(r.delta is None for r in runs):
+    return write_privacy_record(PrivacyRecord(runs), folder)
+
+
+def write_privacy_record(record: PrivacyRecord, folder: str | os.PathLike[str]) -> str:
+    """Write ``record`` to ``folder/privacy_record.json`` atomically (every run needs its δ). Returns the path."""
+    if any(r.delta is None for r in record.runs):
         raise ValueError("save_privacy_record needs delta=: the δ at which you report this run's epsilon")
+    parse_record(record.to_json())  # what is written reads back
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, RECORD_FILE)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(PrivacyRecord(runs).to_json(), f, indent=1, allow_nan=False)
+        json.dump(record.to_json(), f, indent=1, allow_nan=False)
     os.replace(tmp, path)
     return path
 

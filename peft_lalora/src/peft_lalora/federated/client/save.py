@@ -16,6 +16,7 @@ DP federation (post-processing of the clients' noisy updates: no extra privacy c
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..config import FederationConfig
     from ..data.task import Task
 
-__all__ = ["LORA_SUBDIR", "check_out_file", "check_target_dir", "save_adapter"]
+__all__ = ["LORA_SUBDIR", "check_out_file", "check_target_dir", "federation_record", "save_adapter"]
 
 #: the plain-LoRA copy's sub-folder of ``--save-adapter DIR``
 LORA_SUBDIR = "lora"
@@ -69,9 +70,18 @@ def check_out_file(path: str | Path, flag: str = "--out") -> Path:
     return p
 
 
-def save_adapter(cfg: FederationConfig, task: Task, state: Mapping[str, torch.Tensor], directory: str | Path) -> dict:
-    """Write ``state`` as a LALoRA adapter in ``directory`` and a plain LoRA copy in ``directory/lora``;
-    returns ``{"adapter": <dir>, "lora": <dir/lora>}``."""
+def save_adapter(
+    cfg: FederationConfig,
+    task: Task,
+    state: Mapping[str, torch.Tensor],
+    directory: str | Path,
+    privacy: Mapping[str, Any],
+) -> dict:
+    """Write ``state`` as a LALoRA adapter in ``directory`` and a plain LoRA copy in ``directory/lora``, each with
+    the federation's privacy record (``privacy``: the ledger's report, :func:`federation_record`) in its
+    ``privacy_record.json`` and, for the LALoRA adapter, in its config; returns ``{"adapter", "lora", "record"}``."""
+    from opacus_spectral.accounting import load_privacy_record, write_privacy_record
+
     from ...tuners.lalora.export import export_as_lora
     from ..builders import make_peft_model
     from .adapter_state import load_adapter_state, trainable_parameters
@@ -79,6 +89,29 @@ def save_adapter(cfg: FederationConfig, task: Task, state: Mapping[str, torch.Te
     model: Any = make_peft_model(cfg, task)
     load_adapter_state(trainable_parameters(model), state)
     out = check_target_dir(directory)
+    record = write_privacy_record(federation_record(privacy), out)
+    load_privacy_record(model, out)  # the adapter's config carries it too (save_pretrained, push_to_hub)
     model.save_pretrained(str(out))
     lora = export_as_lora(out, out / LORA_SUBDIR)
-    return {"adapter": str(out), "lora": str(lora)}
+    return {"adapter": str(out), "lora": str(lora), "record": record}
+
+
+def federation_record(privacy: Mapping[str, Any]) -> Any:
+    """The privacy record of a federation's output from the ledger's report: one run per client that was charged,
+    each its own privacy unit (a record lies in one client's data), with the history behind the client's ε
+    (Poisson-sampled Gaussian DP-SGD, the ledger's accountant and δ). ``worst_epsilon(δ)`` of it is the report's
+    max ε."""
+    from opacus_spectral.accounting import PrivacyRecord, PrivacyRun
+
+    runs = []
+    for unit, (_, info) in enumerate(sorted(privacy["clients"].items())):
+        history = tuple((float(s), float(q), int(n)) for s, q, n in info["history"])
+        if not history:
+            continue  # never sampled: nothing of its data is in the adapter
+        run = PrivacyRun(
+            uuid.uuid4().hex, unit, history, "poisson", "gaussian", privacy["accountant"], privacy["delta"]
+        )
+        runs.append(run)
+    if not runs:
+        raise ValueError("--save-adapter: no client took a DP step, so there is no privacy record to save")
+    return PrivacyRecord(tuple(runs))

@@ -109,7 +109,7 @@ def _run(
     if save_adapter is not None:
         from ..client.save import save_adapter as save
 
-        out["adapter"] = save(cfg, task, torch.load(state_path), save_adapter)
+        out["adapter"] = save(cfg, task, torch.load(state_path), save_adapter, out["privacy"])
     out["partition"] = partition_summary(cfg, FederationPlan.from_partition(partition), partition)
     out["state_path"] = str(state_path)
     out["workdir"] = str(wd)

@@ -217,6 +217,12 @@ class ClientPrivacy:
         return sum(h[2] for h in self.charged)
 
 
+def bounding_history(info: ClientPrivacy) -> list[HistoryEntry]:
+    """The history behind a client's ε (the larger of what it reported and what it was charged): the one its
+    privacy record keeps."""
+    return info.charged if info.epsilon_charged > info.epsilon_reported else info.history
+
+
 class PrivacyLedger:
     """ε of every client at one δ, from each client's own accountant history.
 
@@ -335,6 +341,7 @@ class PrivacyLedger:
                     "anomalies": list(info.anomalies),
                     "noise_multipliers": sorted({h[0] for h in info.history}),
                     "sample_rates": sorted({h[1] for h in info.history}),
+                    "history": [list(h) for h in bounding_history(info)],
                 }
                 for c, info in sorted(self._clients.items(), key=lambda kv: str(kv[0]))
             },
