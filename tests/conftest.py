@@ -8,6 +8,7 @@ module whose tests take more than ~10 s on 2 cores (federations, grids, the Trai
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 # every process a test starts (a Flower SuperNode or ServerApp rebuilding ``fed_tiny:tiny``, a torchrun rank, a
 # ``python -c`` probe) inherits the environment: name the support folder there as pytest's ``pythonpath`` does here
 os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]
+# BandMF's coefficient cache (opacus_spectral.mechanisms.bandmf): a fresh folder per session, not the user's
+os.environ["OPACUS_SPECTRAL_CACHE"] = tempfile.mkdtemp(prefix="opacus-spectral-cache-")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ COMMANDS = {
     "batch-check-cost": "dp_bench.commands.batch_check_cost",
     "fingerprint-cost": "dp_bench.commands.fingerprint_cost",
     "mechanism-cost": "dp_bench.commands.mechanism_cost",
+    "mechanism-setup": "dp_bench.commands.mechanism_setup",
     "mf-proxy": "dp_bench.commands.mf_proxy",
     "audit": "dp_bench.commands.audit",
     "grid": "dp_bench.commands.grid",

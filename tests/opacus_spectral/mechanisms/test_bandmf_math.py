@@ -4,10 +4,12 @@ b-separated participation pattern, κ = 1 after normalization, and the optimized
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from opacus_spectral.mechanisms import bandmf_math
 from opacus_spectral.mechanisms.bandmf_math import (
     column_norms,
     inverse_matrix,
@@ -16,6 +18,7 @@ from opacus_spectral.mechanisms.bandmf_math import (
     optimal_coefficients,
     sqrt_factorization,
     strategy_matrix,
+    toeplitz_error,
     workload,
     workload_error,
 )
@@ -114,3 +117,69 @@ def test_two_bands_over_a_long_run_converge_instead_of_overflowing():
     assert 0.8 < c[1] / c[0] < 1
     start = workload_error(normalized(sqrt_factorization(2)), work)
     assert float(workload_error(torch.tensor(c, dtype=torch.float64), work)) < 0.95 * float(start)
+
+
+@pytest.mark.parametrize("steps", [50, 300])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_structured_error_and_its_gradient_are_the_dense_ones(steps, momentum):
+    """Issue 50: κ²‖A M⁻¹‖²_F in O(T·b) (Σ_k (T − k)·e_k²) and its analytic gradient equal the dense T × T
+    computation and autograd's gradient of it, at random stable coefficients of 2, 5 and 16 bands."""
+    gen = torch.Generator().manual_seed(steps)
+    for bands in (2, 5, 16):
+        c = normalized(sqrt_factorization(bands) * (1 + 0.1 * torch.rand(bands, generator=gen, dtype=torch.float64)))
+        dense_c = c.clone().requires_grad_()
+        dense = workload_error(dense_c, workload(steps, momentum))
+        dense.backward()
+        value, grad = toeplitz_error(c.numpy(), steps, momentum)
+        assert value == pytest.approx(float(dense.detach()), rel=1e-12)
+        torch.testing.assert_close(torch.from_numpy(grad), dense_c.grad, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("steps", "momentum"), [(100, 0.0), (100, 0.9), pytest.param(600, 0.0, marks=pytest.mark.slow)]
+)
+def test_the_structured_optimum_is_the_dense_optimum(steps, momentum):
+    """Issue 50: the O(T·b) optimizer reaches the dense T × T L-BFGS optimum (the optimizer before it, kept for
+    learning-rate schedules) within 1e-6 relative objective."""
+    work = workload(steps, momentum)
+    for bands in (2, 4, 16):
+        dense = bandmf_math._optimize_dense(steps, bands, momentum, (1.0,) * steps)
+        ours = optimal_coefficients(steps, bands, momentum)
+        error = [float(workload_error(torch.tensor(c, dtype=torch.float64), work)) for c in (ours, dense)]
+        assert error[0] <= error[1] * (1 + 1e-6), (bands, error)
+
+
+def test_a_long_horizon_is_optimized_without_any_dense_matrix():
+    """T = 100,000 at b = 64 (the cap was 4,096): finite, unit-norm, stable coefficients below the start's error."""
+    c = optimal_coefficients(100_000, 64)
+    start = normalized(sqrt_factorization(64)).numpy()
+    assert math.isclose(math.fsum(x * x for x in c), 1.0, rel_tol=1e-12) and c[0] > 0
+    assert toeplitz_error(c, 100_000)[0] < 0.99 * toeplitz_error(start, 100_000)[0]
+    from opacus_spectral.mechanisms.strategy import BandedToeplitz
+
+    BandedToeplitz(c)  # stable (refused otherwise)
+    with pytest.raises(ValueError, match="schedule makes the workload dense"):
+        optimal_coefficients(bandmf_math.MAX_DENSE_STEPS + 1, 4, learning_rates=[1.0, 0.5] * 2049)
+
+
+def test_optimized_coefficients_are_kept_on_disk_and_a_bad_cache_file_is_recomputed(tmp_path, monkeypatch):
+    """Issue 50: coefficients are public, so a second run (another process) reads them from the cache; a file that
+    is not b stable unit-norm coefficients is ignored and rewritten; ``off`` keeps nothing."""
+    from opacus_spectral.mechanisms import bandmf
+
+    monkeypatch.setenv("OPACUS_SPECTRAL_CACHE", str(tmp_path))
+    bandmf.prefix_sum_coefficients.cache_clear()
+    first = bandmf.prefix_sum_coefficients(200, 4)
+    (path,) = tmp_path.glob("bandmf-*-T200-b4.json")
+    bandmf.prefix_sum_coefficients.cache_clear()  # a new process: only the disk remembers
+    monkeypatch.setattr(bandmf, "optimal_coefficients", lambda *a, **k: pytest.fail("recomputed a cached optimum"))
+    assert bandmf.prefix_sum_coefficients(200, 4) == first
+    monkeypatch.undo()
+    monkeypatch.setenv("OPACUS_SPECTRAL_CACHE", str(tmp_path))
+    for bad in ("[0.6, 0.8, 0.0, 0.0]", "[1.0]", "not json", "[NaN, 0, 0, 0]"):  # unstable, short, junk, NaN
+        path.write_text(bad)
+        bandmf.prefix_sum_coefficients.cache_clear()
+        assert bandmf.prefix_sum_coefficients(200, 4) == first and json.loads(path.read_text()) == list(first)
+    monkeypatch.setenv("OPACUS_SPECTRAL_CACHE", "off")
+    bandmf.prefix_sum_coefficients.cache_clear()
+    assert bandmf.prefix_sum_coefficients(201, 4) and not list(tmp_path.glob("*T201*"))

@@ -9,18 +9,24 @@ Algorithm 9), keeping b − 1 previous outputs.
 * κ = the largest column norm of M = ‖c‖₂ (every full column holds c_0 … c_{b−1}); coefficients are normalized to
   κ = 1, so the privacy of a run with cyclic Poisson sampling is exactly DP-SGD's with the same noise multiplier,
   ⌈T/b⌉ steps and rate b·B/N (their Theorems 4–5; ``accounting`` in :mod:`.bandmf`).
-* The coefficients minimize the workload's error ‖A M⁻¹‖²_F at κ = 1 (A: SGD's prefix sums, or the map from gradients
-  to parameter updates under momentum and a learning-rate schedule), in float64, from the square-root factorization
-  of the prefix sum (c_j = binom(2j, j)/4^j, Henzinger et al.) by L-BFGS; cached per (T, b, workload).
+* The coefficients minimize the workload's error κ²‖A M⁻¹‖²_F (A: SGD's prefix sums, optionally under momentum β),
+  from the square-root factorization of the prefix sum (c_j = binom(2j, j)/4^j, Henzinger et al.) by L-BFGS, in
+  O(T·b) time and O(T) memory (:func:`toeplitz_error`): M⁻¹ is the lower-triangular Toeplitz matrix of the impulse
+  response d of 1/c(z), and so is A M⁻¹, with first column e = cumsum(d filtered by 1/(1 − βz)); hence
+  ‖A M⁻¹‖²_F = Σ_k (T − k)·e_k². A learning-rate schedule η makes A M⁻¹ non-Toeplitz: that workload is optimized
+  densely (T ≤ :data:`MAX_DENSE_STEPS`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+from scipy.optimize import minimize
+from scipy.signal import lfilter
 
 __all__ = [
     "column_norms",
@@ -30,11 +36,13 @@ __all__ = [
     "optimal_coefficients",
     "sqrt_factorization",
     "strategy_matrix",
+    "toeplitz_error",
     "workload",
     "workload_error",
 ]
 
-MAX_STEPS = 4096  #: T beyond this: the dense T × T optimization would need too much memory (refused)
+#: T beyond this with a learning-rate schedule: the dense T × T optimization would need too much memory (refused)
+MAX_DENSE_STEPS = 4096
 
 
 def strategy_matrix(coefficients: Sequence[float] | torch.Tensor, steps: int) -> torch.Tensor:
@@ -92,23 +100,91 @@ def sqrt_factorization(bands: int) -> torch.Tensor:
     return torch.tensor([math.comb(2 * j, j) / 4**j for j in range(bands)], dtype=torch.float64)
 
 
+def toeplitz_error(
+    coefficients: Sequence[float] | np.ndarray, steps: int, momentum: float = 0.0
+) -> tuple[float, np.ndarray]:
+    """κ²‖A M⁻¹‖²_F = ‖c‖²·Σ_k (T − k)·e_k² and its gradient in c, O(T·b) (A: prefix sums after momentum β; e: the
+    first column of A M⁻¹, module docstring). The gradient: ∂d/∂c_j = −z^j·d(z)² (from c(z)·d(z) = 1), so
+    ∂F/∂c_j = −Σ_m r_m g_{m−j} with g = d filtered by 1/c(z) and r = ∂F/∂d, back-propagated through the filters."""
+    c = np.asarray(coefficients, dtype=np.float64)
+    impulse = np.zeros(steps)
+    impulse[0] = 1.0
+    d = lfilter([1.0], c, impulse)
+    smoothed = d if momentum == 0 else lfilter([1.0], [1.0, -momentum], d)
+    e = np.cumsum(smoothed)
+    weights = np.arange(steps, 0, -1, dtype=np.float64)
+    error, norm2 = float(weights @ (e * e)), float(c @ c)
+    r = np.cumsum((2 * weights * e)[::-1])[::-1]  # ∂F/∂(smoothed)
+    if momentum != 0:
+        r = lfilter([1.0], [1.0, -momentum], r[::-1])[::-1]  # the momentum filter's adjoint
+    g = lfilter([1.0], c, d)
+    d_error = -np.array([r[j:] @ g[: steps - j] for j in range(c.size)])
+    return norm2 * error, 2 * c * error + norm2 * d_error
+
+
 def optimal_coefficients(
-    steps: int, bands: int, momentum: float = 0.0, learning_rates: Sequence[float] | None = None
+    steps: int,
+    bands: int,
+    momentum: float = 0.0,
+    learning_rates: Sequence[float] | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[float, ...]:
-    """The b coefficients (κ = 1, c_0 > 0) minimizing the workload's error for a run of ``steps`` steps."""
+    """The b coefficients (κ = 1, c_0 > 0) minimizing the workload's error for a run of ``steps`` steps: O(T·b) per
+    iteration for prefix sums under momentum; a learning-rate schedule needs T ≤ :data:`MAX_DENSE_STEPS`.
+    ``progress``: called once per optimizer iteration."""
     if not (isinstance(bands, int) and bands >= 1):
         raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
-    if not (isinstance(steps, int) and bands <= steps <= MAX_STEPS):
-        raise ValueError(f"steps must be an integer in [bands, {MAX_STEPS}], got {steps!r} (bands={bands})")
-    lrs = None if learning_rates is None else tuple(float(x) for x in learning_rates)
-    return _optimize(steps, bands, float(momentum), lrs)
+    if not (isinstance(steps, int) and steps >= bands):
+        raise ValueError(f"steps must be an integer >= bands, got {steps!r} (bands={bands})")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if learning_rates is not None and len(set(float(x) for x in learning_rates)) > 1:
+        if steps > MAX_DENSE_STEPS:
+            raise ValueError(
+                f"a learning-rate schedule makes the workload dense (T × T): at most {MAX_DENSE_STEPS} steps, got "
+                f"{steps}; optimize for the prefix sums (no schedule) instead"
+            )
+        return _optimize_dense(steps, bands, float(momentum), tuple(float(x) for x in learning_rates))
+    if learning_rates is not None and len(learning_rates) != steps:
+        raise ValueError(f"learning_rates must be {steps} finite numbers, one per step")
+    return _optimize(steps, bands, float(momentum), progress)
 
 
-@functools.lru_cache(maxsize=64)
-def _optimize(steps: int, bands: int, momentum: float, lrs: tuple[float, ...] | None) -> tuple[float, ...]:
-    """L-BFGS from the square-root factorization; a run whose M⁻¹ overflows (L-BFGS stepped to a strategy with an
-    unstable inverse, e.g. c_1 > c_0 at b = 2 over long runs) is retried with 10× smaller steps. Never worse than
-    the start, never non-finite."""
+#: a non-finite or unstable point: a large log-error L-BFGS backs away from (the error itself is ~ 10¹–10⁴⁰)
+_OUTSIDE = 1e6
+
+
+def _optimize(steps: int, bands: int, momentum: float, progress: Callable[[], None] | None = None) -> tuple[float, ...]:
+    """L-BFGS over (c_1 … c_{b−1}) at c_0 = 1 of log κ²‖A M⁻¹‖²_F (:func:`toeplitz_error`) from the square-root
+    factorization; a point whose inverse recurrence is unstable scores :data:`_OUTSIDE`. Never worse than the
+    start; normalized to κ = 1."""
+    if bands == 1:
+        return (1.0,)
+    start = sqrt_factorization(bands).numpy()
+
+    def log_error(tail: np.ndarray) -> tuple[float, np.ndarray]:
+        c = np.concatenate([[1.0], tail])
+        roots = np.roots(c[::-1])
+        if not np.isfinite(c).all() or np.abs(roots).min() <= 1 + 1e-9:
+            return _OUTSIDE, np.zeros_like(tail)
+        value, grad = toeplitz_error(c, steps, momentum)
+        if not (math.isfinite(value) and np.isfinite(grad).all() and value > 0):
+            return _OUTSIDE, np.zeros_like(tail)
+        return math.log(value), grad[1:] / value
+
+    callback = None if progress is None else (lambda _x: progress())
+    options = {"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12}
+    found = minimize(log_error, start[1:], jac=True, method="L-BFGS-B", options=options, callback=callback)
+    best = np.concatenate([[1.0], found.x])
+    if not log_error(found.x)[0] < log_error(start[1:])[0]:
+        best = start
+    return tuple(float(x) for x in best / np.linalg.norm(best))
+
+
+@functools.lru_cache(maxsize=16)
+def _optimize_dense(steps: int, bands: int, momentum: float, lrs: tuple[float, ...]) -> tuple[float, ...]:
+    """A learning-rate schedule's workload, dense: L-BFGS from the square-root factorization; a run whose M⁻¹
+    overflows is retried with 10× smaller steps. Never worse than the start, never non-finite."""
     if bands == 1:
         return (1.0,)
     work, start = workload(steps, momentum, lrs), normalized(sqrt_factorization(bands))
