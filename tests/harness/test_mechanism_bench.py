@@ -161,3 +161,34 @@ def test_mf_proxy_matches_its_definition(tmp_path: Path, capsys: pytest.CaptureF
     m = sum(np.diag(np.full(12 - j, c), -j) for j, c in enumerate(fact["2"]["coefficients"]))
     want = sigma_2 * np.linalg.norm(last @ np.linalg.inv(m)) / (sigma_1 * np.linalg.norm(last))
     assert cell["bands"]["2"]["ratio"] == pytest.approx(want, rel=1e-9) and cell["bands"]["1"]["ratio"] == 1.0
+
+
+def test_mechanism_setup_compares_the_optimizers_and_times_the_set_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dp-bench mechanism-setup`` at tiny sizes (issue 50): the structured optimum's objective within 1e-6 of the
+    dense one's, make_private with an empty and a filled coefficient cache, and DPTrainer with
+    BandMF for a few steps; the JSON is what the command returned and its replot prints the tables."""
+    from dp_bench import cli
+
+    out, png = tmp_path / "setup.json", tmp_path / "setup.png"
+    flags = ["--dense-steps", "40", "--dense-bands", "4", "--setup-steps", "300", "--setup-bands", "8"]
+    flags += [
+        "--long-steps",
+        "0",
+        "--trainer-steps",
+        "8",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+    ]  # no optimizer-only case
+    res = cli.run(["mechanism-setup", *flags])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and png.stat().st_size > 0
+    assert abs(res["dense"][0]["result"]["relative_objective"]) < 1e-6
+    assert res["make_private"]["result"]["seconds"] > 0 and res["make_private_cached"]["steps"] == 300
+    assert "long" not in res
+    assert res["trainer"]["result"]["steps_done"] == 8 and res["trainer"]["result"]["epsilon"] > 0
+    capsys.readouterr()
+    cli.run(["mechanism-setup", "--replot", "--out", str(out), "--plot", str(png)])
+    assert "| make_private_cached | 300 | 8 |" in capsys.readouterr().out

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from opacus_spectral.accounting.calibration import noise_multiplier_for
-from opacus_spectral.mechanisms.bandmf_math import optimal_coefficients, workload, workload_error
+from opacus_spectral.mechanisms.bandmf_math import error_column, optimal_coefficients, toeplitz_error
 
 from .. import runner
 from ..config import opt, parse_config, start
@@ -93,23 +93,27 @@ class Config:
             raise ValueError(f"--sample-rate must be in (0, 1], got {self.sample_rate}")
 
 
-def measured_workload(steps: int, momentum: float = 0.0, rows: str = "all") -> torch.Tensor:
-    """The A the error is measured on: SGD's (momentum β) workload, all its rows or the last."""
-    work = workload(steps, momentum=momentum)
-    return work[-1:] if rows == "last" else work
+def workload_error(coefficients: Sequence[float], steps: int, momentum: float = 0.0, rows: str = "all") -> float:
+    """κ²‖A M⁻¹‖²_F on SGD's (momentum β) workload, over all its rows or the last, in O(T·b)
+    (:func:`~opacus_spectral.mechanisms.bandmf_math.toeplitz_error`, ``error_column``)."""
+    if rows == "all":
+        return toeplitz_error(coefficients, steps, momentum)[0]
+    e = error_column(coefficients, steps, momentum)  # the last row of A M⁻¹ is e reversed
+    return math.fsum(c * c for c in coefficients) * float(e @ e)
 
 
-def factorization_errors(steps: int, bands: Sequence[int], work: torch.Tensor) -> dict[int, dict[str, Any]]:
-    """Per b: the prefix-sum-optimized coefficients' ‖A M⁻¹‖_F (κ = 1) on the workload ``work``, and the time."""
+def factorization_errors(
+    steps: int, bands: Sequence[int], momentum: float = 0.0, rows: str = "all"
+) -> dict[int, dict[str, Any]]:
+    """Per b: the prefix-sum-optimized coefficients' ‖A M⁻¹‖_F (κ = 1) on the measured workload, and the time."""
     out: dict[int, dict[str, Any]] = {}
     for b in bands:
         t0 = time.perf_counter()
         coefs = optimal_coefficients(steps, b)
-        err = float(workload_error(torch.tensor(coefs, dtype=torch.float64), work))
         out[b] = {
             "kappa": math.sqrt(sum(c * c for c in coefs)),
-            "frobenius": math.sqrt(err),
-            "rows": work.shape[0],
+            "frobenius": math.sqrt(workload_error(coefs, steps, momentum, rows)),
+            "rows": steps if rows == "all" else 1,
             "coefficients": list(coefs),
             "optimize_s": time.perf_counter() - t0,
         }
@@ -146,11 +150,11 @@ def compute(cfg: Config) -> dict[str, Any]:
     for steps in _ints(cfg.steps):
         bands = [b for b in _ints(cfg.bands) if b <= steps and b * cfg.sample_rate <= 1]
         t0 = time.perf_counter()
-        work = measured_workload(steps, cfg.momentum, cfg.rows)
-        errors = factorization_errors(steps, bands, work)
+        errors = factorization_errors(steps, bands, cfg.momentum, cfg.rows)
         timing[f"optimize_T{steps}_s"] = time.perf_counter() - t0
         cells[str(steps)] = {
-            "dpsgd_frobenius": float(work.norm()),  # ‖A‖_F (√(T(T+1)/2) for the prefix sums)
+            # ‖A‖_F (√(T(T+1)/2) for the prefix sums): M = I
+            "dpsgd_frobenius": math.sqrt(workload_error((1.0,), steps, cfg.momentum, cfg.rows)),
             "factorizations": {str(b): e for b, e in errors.items()},
             "epsilons": {},
         }

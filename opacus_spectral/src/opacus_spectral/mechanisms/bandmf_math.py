@@ -30,6 +30,7 @@ from scipy.signal import lfilter
 
 __all__ = [
     "column_norms",
+    "error_column",
     "inverse_matrix",
     "minsep_sensitivity",
     "normalized",
@@ -107,11 +108,7 @@ def toeplitz_error(
     first column of A M⁻¹, module docstring). The gradient: ∂d/∂c_j = −z^j·d(z)² (from c(z)·d(z) = 1), so
     ∂F/∂c_j = −Σ_m r_m g_{m−j} with g = d filtered by 1/c(z) and r = ∂F/∂d, back-propagated through the filters."""
     c = np.asarray(coefficients, dtype=np.float64)
-    impulse = np.zeros(steps)
-    impulse[0] = 1.0
-    d = lfilter([1.0], c, impulse)
-    smoothed = d if momentum == 0 else lfilter([1.0], [1.0, -momentum], d)
-    e = np.cumsum(smoothed)
+    d, e = _columns(c, steps, momentum)
     weights = np.arange(steps, 0, -1, dtype=np.float64)
     error, norm2 = float(weights @ (e * e)), float(c @ c)
     r = np.cumsum((2 * weights * e)[::-1])[::-1]  # ∂F/∂(smoothed)
@@ -120,6 +117,21 @@ def toeplitz_error(
     g = lfilter([1.0], c, d)
     d_error = -np.array([r[j:] @ g[: steps - j] for j in range(c.size)])
     return norm2 * error, 2 * c * error + norm2 * d_error
+
+
+def error_column(coefficients: Sequence[float] | np.ndarray, steps: int, momentum: float = 0.0) -> np.ndarray:
+    """e: the first column of A M⁻¹ (lower-triangular Toeplitz; A: prefix sums after momentum β), O(T·b). Row t of
+    A M⁻¹ is (e_t, …, e_0): the noise of the parameters after step t, at noise multiplier 1, is ‖(e_0 … e_t)‖."""
+    return _columns(np.asarray(coefficients, dtype=np.float64), steps, momentum)[1]
+
+
+def _columns(c: np.ndarray, steps: int, momentum: float) -> tuple[np.ndarray, np.ndarray]:
+    """(d, e): M⁻¹'s first column (the impulse response of 1/c(z)) and A M⁻¹'s."""
+    impulse = np.zeros(steps)
+    impulse[0] = 1.0
+    d = lfilter([1.0], c, impulse)
+    smoothed = d if momentum == 0 else lfilter([1.0], [1.0, -momentum], d)
+    return d, np.cumsum(smoothed)
 
 
 def optimal_coefficients(
