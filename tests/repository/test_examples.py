@@ -60,9 +60,16 @@ def test_each_example_documents_what_it_shows_its_real_size_command_and_tiny(scr
 def test_each_example_runs_tiny(script, tmp_path):
     if script.name == "engine_denoiser.py":
         out = _run(script, tmp_path)
-        rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+        lines = out.splitlines()
+        rows = {line.split()[0]: line.split() for line in lines[1:3]}
         assert set(rows) == {"none", "rmt"}, out
         assert all(abs(float(r[2]) - 3.0) < 0.05 for r in rows.values()), f"ε is not the target 3 in both arms: {out}"
+        said = re.match(r"One seed, one noise draw per arm: the gap of ([+-][0-9.]+) points (.*)", lines[3])
+        assert said, f"the example does not say that it ran one seed per arm: {out}"
+        gap = 100 * (float(rows["rmt"][1]) - float(rows["none"][1]))  # from the rounded table: within 0.1
+        assert abs(float(said.group(1)) - gap) <= 0.11, out
+        seed_noise = abs(float(said.group(1))) <= 17
+        assert said.group(2).startswith("is within seed noise" if seed_noise else "is wider than"), out
     elif script.name == "use_denoiser_plugin.py":
         out = _run(script, tmp_path, front=(_install_plugin(tmp_path),))
         assert "'softshrink' comes from the distribution 'opacus-spectral-softshrink'" in out, out

@@ -50,6 +50,29 @@ def test_sources_do_not_refer_outside_the_repository(pattern, what):
     assert not hits, f"{what} in {hits}"
 
 
+#: the pages whose backticked repository paths must exist (docs/results.md aside: a log of runs, paths as they were)
+DOC_PAGES = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *(p for p in (ROOT / "docs").glob("*.md") if p.name != "results.md"),
+]
+TOP_FOLDERS = ("opacus_spectral", "peft_lalora", "plugins", "benchmarks", "examples", "tests", "docs")
+
+
+def test_the_docs_name_repository_files_that_exist():
+    """A backticked file path that starts at a top folder of the repository names a file there (plugins.md once
+    sent plugin authors to `opacus_spectral/hookspecs.py`, not `opacus_spectral/src/opacus_spectral/hookspecs.py`)."""
+    folders = "|".join(TOP_FOLDERS)
+    named = [
+        (page.name, path)
+        for page in DOC_PAGES
+        for path in re.findall(rf"`((?:{folders})/[\w./-]+\.\w+)(?:::\w+)?`", page.read_text(encoding="utf-8"))
+    ]
+    assert len(named) > 20
+    missing = [f"{page}: {path}" for page, path in named if not (ROOT / path).is_file()]
+    assert not missing, missing
+
+
 def _functions(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -1,5 +1,6 @@
-"""The README is a front page that works as written: both quickstarts run unchanged (nothing filled in, offline), its
-test command is the one CI runs, and its links reach files and headings that exist."""
+"""The README is a front page that works as written: its start-here block and both quickstarts run unchanged (nothing
+filled in, offline), its test command is the one CI runs with the system package it needs, and its links reach files
+and headings that exist."""
 
 from __future__ import annotations
 
@@ -23,6 +24,46 @@ def _run(title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     ns: dict = {"__name__": "__main__"}
     exec(compile(_quickstarts()[title], f"README:{title}", "exec"), ns)
     return ns
+
+
+def _start_here() -> str:
+    """The text of the README's first section, which must be "Start here", right below the title."""
+    match = re.match(r"# [^\n]+\n\n## Start here\n(.*?)\n## ", README.read_text(), flags=re.S)
+    assert match, "the README does not open with '## Start here' right below its title"
+    return match.group(1)
+
+
+def test_the_start_here_block_runs_as_written_and_prints_bandmfs_epsilon(tmp_path, monkeypatch, capsys):
+    (code,) = re.findall(r"```python\n(.*?)```", _start_here(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(code, "README:start-here", "exec"), ns)
+    engine = ns["engine"]
+    # BandMF with b = 4 over T = 32 steps at q = 64/1024: charged as DP-SGD at (σ = 1, 4q, 32/4 steps)
+    assert engine.mechanism_run is not None and engine.accountant.history == [(1.0, 0.25, 8)]
+    assert f"ε = {engine.get_epsilon(1e-5):.2f} at δ = 1e-5" in capsys.readouterr().out
+
+
+def test_the_start_here_proxy_command_parses_and_writes_outside_the_committed_results(tmp_path):
+    """The ``dp-bench mf-proxy`` flags of "Start here" are the command's own, and its --out / --plot keep it off
+    ``docs/results/`` (its defaults, which hold the committed evidence)."""
+    mf_proxy = pytest.importorskip("dp_bench.commands.mf_proxy")
+    from dp_bench.config import parse_config
+
+    (command,) = re.findall(r"`\.tox-venv/bin/tox -e bench -- mf-proxy ([^`]*)`", _start_here())
+    cfg = parse_config(mf_proxy.Config, command.split(), prog="dp-bench mf-proxy", description="")
+    results = (ROOT / "docs" / "results").resolve()
+    assert results not in (ROOT / cfg.out).resolve().parents and results not in (ROOT / cfg.plot).resolve().parents
+
+
+def test_the_readme_names_the_system_package_the_tests_need():
+    """.ci/run installs one Debian package as root; tox requires it (PEFT_LALORA_REQUIRE_DATA=1): the README says
+    both, and what a user who is not root does."""
+    package = re.search(r"apt-get install -y -qq (\S+)", (ROOT / ".ci" / "run").read_text()).group(1)
+    assert re.search(r"^\s*PEFT_LALORA_REQUIRE_DATA = 1$", (ROOT / "tox.ini").read_text(), flags=re.M)
+    development = README.read_text().partition("## Development")[2]
+    assert f"`{package}`" in development and f"apt-get install -y {package}" in development
+    assert "PEFT_LALORA_REQUIRE_DATA=1" in development and "Not root" in development
 
 
 def test_the_readme_has_the_two_quickstarts_in_order():

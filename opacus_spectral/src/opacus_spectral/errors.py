@@ -7,7 +7,8 @@ Errors: :class:`DenoiserError`, :class:`NonFiniteGradientError` (the post-noise 
 :class:`NoiseCertificateError` (a step released other noise than it was charged for). Warnings: privacy
 (:class:`NonPrivateWarning`, :class:`ReproducibleNoiseWarning`, :class:`ApproximateEpsilonWarning`,
 :class:`ShuffledSamplingWarning`, :class:`IgnoredSamplerWarning`, :class:`ComposedPrivacyWarning`), the doctor
-(:class:`DoctorWarning`, :class:`BatchCheckWarning`) and advice (:class:`DenoiserAdviceWarning`).
+(:class:`DoctorWarning`, :class:`BatchCheckWarning`) and advice (:class:`DenoiserAdviceWarning`,
+:class:`LargeNoiseWarning`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "IgnoredSamplerWarning",
     "ComposedPrivacyWarning",
     "NoiseCertificateError",
+    "LargeNoiseWarning",
 ]
 
 
@@ -85,6 +87,11 @@ class ShuffledSamplingWarning(UserWarning):
 
 class IgnoredSamplerWarning(UserWarning):
     """``poisson_sampling=True`` with a loader whose sampler is not uniform: Opacus replaces it (Opacus #813)."""
+
+
+class LargeNoiseWarning(UserWarning):
+    """A calibrated noise multiplier above ``SIGMA_LARGE`` (100, ``docs/engine.md``, "Accounting"): the noise then
+    swamps the gradient of any batch of fewer than σ records."""
 
 
 class ComposedPrivacyWarning(UserWarning):

@@ -10,12 +10,14 @@ with a deadline, so this module fails (instead of hanging) on code that hangs.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import warnings
 
 import pytest
 from opacus.accountants.utils import get_noise_multiplier
 from opacus_spectral.accounting import calibration as nm
+from opacus_spectral.errors import LargeNoiseWarning
 
 DEADLINE_S = 120  # all cases together; after the fix they take about a second
 F, E = nm.noise_multiplier_for, nm.epsilon_from_history
@@ -119,3 +121,30 @@ def test_gdp_calibrates_a_sigma_whose_true_epsilon_is_far_above_the_target() -> 
 def test_noise_multiplier_for_refuses_gdp() -> None:
     with pytest.raises(ValueError, match="approximation, not an upper bound.*'prv'"):
         nm.noise_multiplier_for(target_epsilon=2, target_delta=1e-5, sample_rate=0.01, steps=40, accountant="gdp")
+
+
+# --- the ends of the range: an absurd σ warns, a target beyond it says what it found ------------------------------
+
+
+def test_a_calibrated_sigma_above_100_warns_what_the_noise_does() -> None:
+    """ε = 0.01 in one full-batch step needs σ = 2,560: noise std σ·C/B per coordinate swamps any batch below σ."""
+    with pytest.warns(LargeNoiseWarning, match=r"σ = 2560 .*above 100.*σ·C/B.*2,560 records") as caught:
+        sigma = nm.noise_multiplier_for(target_epsilon=0.01, target_delta=1e-5, sample_rate=1.0, steps=1)
+    assert sigma == 2560.0 and len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeNoiseWarning)
+        assert nm.noise_multiplier_for(target_epsilon=3, target_delta=1e-5, sample_rate=0.1, steps=20) < nm.SIGMA_LARGE
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_a_target_below_the_accountants_floor_reports_a_sigma_inside_the_range(accountant) -> None:
+    """Before: "searched in [0.1, 1e+06], and σ = 1.311e+06 spends ε = 0.00999 ...: the budget is too small" — a σ
+    outside the range it named, and a reason that was not the one (ε had stopped falling with σ)."""
+    with pytest.raises(ValueError, match="outside the calibration's range") as err:
+        nm.noise_multiplier_for(
+            target_epsilon=1e-4, target_delta=1e-5, sample_rate=0.01, steps=100, accountant=accountant
+        )
+    text = str(err.value)
+    sigmas = [float(x) for x in re.findall(r"σ = ([0-9.e+-]+) spends", text)]
+    assert sigmas and all(nm.SIGMA_MIN <= x <= nm.MAX_SIGMA for x in sigmas) and nm.MAX_SIGMA in sigmas
+    assert "floor" in text and "too small for this many steps" not in text

@@ -52,6 +52,19 @@ def test_choices_are_enforced_on_the_command_line():
         HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses([*CLI, "--grad_sample_mode", "ghosts"])
 
 
+def test_a_misspelled_keyword_is_refused_with_the_closest_field_names(tmp_path):
+    """Before: "__init__() got an unexpected keyword argument 'target_epsilom'" and nothing more."""
+    base = dict(output_dir=str(tmp_path), target_epsilon=3.0, target_delta=1e-5)
+    with pytest.raises(TypeError, match=r"'target_epsilom' \(did you mean 'target_epsilon'"):
+        DPTrainingArguments(**{**base, "target_epsilom": 3.0})
+    with pytest.raises(TypeError, match=r"'per_sample_max_grad_nrom' \(did you mean 'per_sample_max_grad_norm'"):
+        DPTrainingArguments(**base, per_sample_max_grad_nrom=1.0)
+    with pytest.raises(TypeError) as err:  # a Trainer field too; a word close to none gets no guess
+        DPTrainingArguments(**base, learning_rat=1e-3, qqqqqq=1)
+    assert "arguments 'learning_rat' (did you mean 'learning_rate'?), 'qqqqqq';" in str(err.value)
+    assert DPTrainingArguments(**base, learning_rate=1e-3).learning_rate == 1e-3
+
+
 def seeded(tmp_path, **kw) -> DPTrainingArguments:
     return args(tmp_path, noise_seed=SEED, post_hooks=["ema", Recorder()], **kw)
 

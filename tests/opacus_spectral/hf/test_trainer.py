@@ -232,6 +232,15 @@ def test_empty_poisson_batches_still_add_noise(tmp_path, monkeypatch):
         assert all(g.abs().sum() > 0 for g, _ in rec.steps[1].values())  # pure noise at the empty step
 
 
+def test_torch_full_backward_hook_warning_shows_once_per_run(tmp_path):
+    """torch warns at each backward through the first LoRA layer (its input needs no gradient); the ε read at every
+    log step resets Python's once-per-place record, so before DPTrainer's filter it showed at every step (4 here)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        trainer(tmp_path).train()
+    assert sum("Full backward hook is firing" in str(w.message) for w in caught) == 1
+
+
 def test_budget_stops_training_within_target_epsilon(tmp_path):
     t = trainer(tmp_path, noise_multiplier=1.5, target_epsilon=3.0, train_args=args(tmp_path, max_steps=40))
     with pytest.warns(RuntimeWarning, match="one more step would exceed"):

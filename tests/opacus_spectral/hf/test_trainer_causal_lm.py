@@ -6,6 +6,7 @@ Llama module types (GQA), bf16 autocast, adapter reload, task detection and refu
 from __future__ import annotations
 
 import math
+import warnings
 
 import opacus.optimizers.optimizer as opacus_optimizer
 import opacus_spectral.hf.dp_trainer as hf
@@ -215,6 +216,16 @@ def test_next_token_loss_falls_eval_is_per_token_and_the_adapter_reloads(tmp_pat
     prompt = tokenizer()(["w1 w2 w3"], return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 9) and torch.equal(out, loaded.generate(**prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_the_batch_audits_backward_does_not_show_torchs_full_backward_hook_warning(tmp_path):
+    """The per-example-gradient audit runs a backward of its own before the first step's: only the step's shows."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        t = trainer(tmp_path, lora_llama(), lm_dataset(32), train_args=args(tmp_path, max_steps=2))
+        t.train()
+    assert t.batch_check_result is not None and t.batch_check_result.outcome is not None  # the audit ran
+    assert sum("Full backward hook is firing" in str(w.message) for w in caught) == 1
 
 
 def _module_type(name: str) -> str:

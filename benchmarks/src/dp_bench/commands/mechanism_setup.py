@@ -1,4 +1,4 @@
-"""BandMF's set-up at any horizon (``docs/mechanisms.md``, "Horizon and set-up"; issue 50): the O(T·b) coefficient
+"""BandMF's set-up at any horizon (``docs/mechanisms.md``, "Any horizon"): the O(T·b) coefficient
 optimizer against the dense T × T one it replaced, ``make_private`` at T = 100,000, the optimizer at T = 10⁶, and a
 10,000-step ``DPTrainer`` run with BandMF end to end.
 
@@ -8,7 +8,7 @@ child's peak resident memory above what it held before the case (``ru_maxrss``),
 a small T (imports and first-call costs paid before the baseline).
 
 * ``dense``: for T in ``--dense-steps`` and b in ``--dense-bands``, the dense L-BFGS optimum (the optimizer before
-  issue 50, kept for learning-rate schedules) and the structured one: seconds each and the relative objective
+  the O(T·b) one, kept for learning-rate schedules) and the structured one: seconds each and the relative objective
   κ²‖A M⁻¹‖²_F of the structured optimum against the dense one (target ≤ 1e-6);
 * ``make_private``: ``make_private(..., noise_mechanism=("bandmf", {"bands": b}), steps=T)`` on a small model,
   the optimization included (target ≤ 10 s, ≤ 200 MB), then again with the coefficients cached on disk;

@@ -4,9 +4,11 @@ history of steps spends.
 ``noise_multiplier_for(target_epsilon=..., target_delta=..., sample_rate=..., steps=...)`` is the smallest
 noise multiplier σ whose ``steps`` Poisson-sampled steps of rate q spend at most (ε, δ) under ``accountant``: the
 search of Opacus' ``get_noise_multiplier`` (σ doubled from 20 until ε fits, then bisected until ε is within
-``epsilon_tolerance`` below the target — the same σ for every target it can reach from σ ≥ 0.2), bounded so that it
-always ends: σ is searched in [:data:`SIGMA_MIN`, :data:`MAX_SIGMA`], a target outside that range, a tolerance
-≤ 0 and an ε that jumps across the target (an accountant's numerical edge) are ``ValueError`` naming the range.
+``epsilon_tolerance`` below the target — the same σ for every target it can reach from σ ≥ 0.2 by doubling to at most
+655,360), bounded so that it always ends: σ is searched in [:data:`SIGMA_MIN`, :data:`MAX_SIGMA`] (the doubling stops
+at :data:`MAX_SIGMA`), a target outside that range, a tolerance ≤ 0 and an ε that jumps across the target (an
+accountant's numerical edge) are ``ValueError`` naming the range. A σ above :data:`SIGMA_LARGE` is returned with a
+:class:`~opacus_spectral.errors.LargeNoiseWarning`: the noise then swamps any batch of fewer than σ records.
 Only upper bounds are calibrated to: ``accountant="gdp"`` (an approximation) is refused
 (:mod:`~opacus_spectral.accounting.bounds`). DPTrainer, ``PrivacyEngine.make_private_with_epsilon``, the federated
 client and the harness call it.
@@ -27,17 +29,23 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 
+from ..denoisers.advice import external_stacklevel
+from ..errors import LargeNoiseWarning
 from .bounds import bounded_epsilon, check_gdp_history, refuse_gdp, warn_approximate
 
-__all__ = ["MAX_SIGMA", "SIGMA_MIN", "epsilon_from_history", "noise_multiplier_for"]
+__all__ = ["MAX_SIGMA", "SIGMA_LARGE", "SIGMA_MIN", "epsilon_from_history", "noise_multiplier_for"]
 
 #: the smallest σ the calibration returns: below it even one full-batch step spends ε > 90 (δ = 1e-5), and a target
 #: needing less noise is outside the calibration's range (pass ``noise_multiplier=`` directly)
 SIGMA_MIN = 0.1
 #: the largest σ the calibration tries (Opacus' bound): a target needing more is too small for the run
 MAX_SIGMA = 1e6
+#: above this σ a calibration warns: the noise std σ·C/B per coordinate of the averaged clipped gradient (C the
+#: clipping bound, B the expected batch size) exceeds C, the largest norm of the whole signal, unless B > σ
+SIGMA_LARGE = 100.0
 
 
 def noise_multiplier_for(
@@ -50,6 +58,8 @@ def noise_multiplier_for(
     epsilon_tolerance: float = 0.01,
 ) -> float:
     """σ such that ``steps`` steps at sample rate q give ε ≤ ``target_epsilon`` at δ = ``target_delta``.
+
+    Warns :class:`~opacus_spectral.errors.LargeNoiseWarning` when σ > :data:`SIGMA_LARGE`.
 
     Raises:
         ValueError: ε not a positive finite number, δ outside (0, 1), q outside (0, 1], steps < 1, a tolerance that
@@ -78,7 +88,19 @@ def noise_multiplier_for(
     refuse_gdp(accountant, "target_epsilon (a calibration of the noise multiplier)")
     _check_accountant(accountant)
     args = (float(target_epsilon), float(target_delta), float(sample_rate), int(steps), accountant)
-    return _search(*args, float(tolerance))
+    sigma = _search(*args, float(tolerance))
+    if sigma > SIGMA_LARGE:
+        warnings.warn(
+            f"noise_multiplier_for: σ = {sigma:.4g} for target_epsilon = {target_epsilon} (steps = {steps}, "
+            f"q = {sample_rate:.4g}, δ = {target_delta:g}) is above {SIGMA_LARGE:g}. Each step's noise has std σ·C/B "
+            "per coordinate of the averaged clipped gradient (C the clipping bound, B the expected batch size), whose "
+            f"whole norm is at most C: unless a batch holds well over {sigma:,.0f} records the noise swamps the "
+            "signal and the model learns next to nothing. Raise target_epsilon, or train fewer steps on larger "
+            "batches.",
+            LargeNoiseWarning,
+            stacklevel=external_stacklevel(),
+        )
+    return sigma
 
 
 def _check_accountant(accountant: str) -> None:
@@ -104,11 +126,13 @@ def _search(
         )
 
     low, high, eps_high = 0.0, 10.0, math.inf
+    previous, eps_previous = high, eps_high  # the doubling's σ before ``high``, and its ε
     while eps_high > target_epsilon:
-        high *= 2
+        if high >= MAX_SIGMA:
+            raise out_of_range(high, eps_high, _unreached(previous, eps_previous, eps_high))
+        previous, eps_previous = high, eps_high
+        high = min(2 * high, MAX_SIGMA)
         eps_high = eps(high)
-        if high > MAX_SIGMA:
-            raise out_of_range(high, eps_high, "the budget is too small for this many steps")
     while target_epsilon - eps_high > tolerance:
         mid = (low + high) / 2
         if mid < SIGMA_MIN:  # only while low == 0: check the floor once instead of going below it
@@ -126,6 +150,17 @@ def _search(
         else:
             low = mid
     return high
+
+
+def _unreached(sigma: float, spent: float, spent_at_max: float) -> str:
+    """Why even :data:`MAX_SIGMA` misses the target, given ε at the previous σ of the doubling."""
+    if spent_at_max > 0.9 * spent:  # the Gaussian mechanism's ε ∝ 1/σ at such noise: from σ/1.53 it falls by 35 %
+        return (
+            f"ε barely falls as σ grows (σ = {sigma:.4g} spends ε = {spent:.4g}): this is the smallest ε the "
+            "accountant reports for this run (its floor: PRV's numerical error bound, RDP's largest order), not a "
+            "budget more noise would meet"
+        )
+    return "the budget is too small for this many steps"
 
 
 def epsilon_from_history(history: Iterable[Sequence[float]], delta: float, accountant: str = "prv") -> float:

@@ -40,6 +40,7 @@ from ..doctor.batch_independence import (
     tolerance,
 )
 from ..errors import BatchCheckWarning, BatchDependenceError
+from ..step.grad_sample import without_full_backward_hook_warning
 from .loss import example_losses
 
 __all__ = ["TrainerBatchCheck", "with_positions"]
@@ -128,7 +129,8 @@ class TrainerBatchCheck:
         keep = [r for r in range(losses.shape[0]) if r != dropped]
         weights = torch.arange(1, len(keep) + 1, dtype=losses.dtype, device=losses.device)
         params = [p for p in self.trainer._dp.params if p.requires_grad]
-        grads = torch.autograd.grad((losses[keep] * weights).sum(), params, allow_unused=True)
+        with without_full_backward_hook_warning():  # the audit's own backward: not the user's to see
+            grads = torch.autograd.grad((losses[keep] * weights).sum(), params, allow_unused=True)
         return torch.cat(
             [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]
         )

@@ -13,10 +13,11 @@ and any other value is refused (DP-SGD clips each example instead).
 """
 
 import copy
+import difflib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
@@ -144,6 +145,11 @@ class DPTrainingArguments(TrainingArguments):
         },
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DPTrainingArguments":
+        """Refuse a keyword that names no field, with the closest field names (a ``TypeError``, as ``__init__``'s)."""
+        _check_keywords(cls, kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.doctor, self.batch_check = _setting("doctor", self.doctor), _setting("batch_check", self.batch_check)
@@ -182,6 +188,23 @@ class DPTrainingArguments(TrainingArguments):
         return f"{type(self).__name__}(\n{shown})"
 
     __repr__ = __str__
+
+
+def _check_keywords(cls: type, kwargs: Mapping[str, Any]) -> None:
+    """``TypeError`` naming each keyword of ``kwargs`` that is no ``__init__`` field of ``cls``, with a "did you
+    mean" of the closest field names (:func:`difflib.get_close_matches`) where there are any."""
+    names = [f.name for f in fields(cls) if f.init]
+    unknown = [k for k in kwargs if k not in names]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, names, n=3)
+        parts.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+    raise TypeError(
+        f"{cls.__name__} got unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(parts)}; its fields "
+        'are TrainingArguments\' and the DP settings of docs/trainer.md, "The arguments"'
+    )
 
 
 def _setting(name: str, value: Any) -> str:

@@ -38,6 +38,7 @@ The private Trainer members this relies on are listed in :data:`PRIVATE_TRAINER_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -68,7 +69,7 @@ from ..denoisers.base import denoiser_name
 from ..doctor.doctor import accounted_steps
 from ..engine import PrivacyEngine
 from ..plugins.registry import alternation_controller, create_denoisers
-from ..step.grad_sample import set_trainable
+from ..step.grad_sample import set_trainable, without_full_backward_hook_warning
 from ..step.noise_source import NoiseSource
 from . import loss as trainer_loss
 from .batch_check import TrainerBatchCheck, with_positions
@@ -165,6 +166,7 @@ class DPTrainer(Trainer):
         self._evaluating = False
         self._warned_keys: set[str] = set()
         self._clear_pending = False
+        self._backwards = 0  #: backward passes run (torch's full-backward-hook warning: the first one's only)
         self._trained = False
         self._eps_cache: tuple[int, float] = (-1, 0.0)
         self._eval_sums: list[float] = [0.0, 0]  #: next-token loss sum and target count of the running evaluation
@@ -350,7 +352,11 @@ class DPTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self._dp_loss(model, inputs)
-        loss.backward()  # the engine clips in float32 under bf16 autocast (:mod:`~opacus_spectral.step.precision`)
+        # torch's full-backward-hook warning (docs/engine.md, "Warnings"): the first backward's only; the ε reads and
+        # audits between steps reset Python's once-per-place record, so it would come back at every step
+        with without_full_backward_hook_warning() if self._backwards else contextlib.nullcontext():
+            loss.backward()  # the engine clips in float32 under bf16 autocast (:mod:`~opacus_spectral.step.precision`)
+        self._backwards += 1
         if not last:  # BatchMemoryManager's virtual step: clip and accumulate, no noise, no update
             dp.signal_skip_step(do_skip=True)
             dp.step()

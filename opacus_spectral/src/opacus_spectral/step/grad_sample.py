@@ -16,7 +16,9 @@ embedding keeps its factors in a ``ParameterDict`` that is never called as a mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +30,17 @@ from torch import nn
 
 #: attributes Opacus attaches to a Parameter during a step
 _PER_SAMPLE_ATTRS = ("grad_sample", "summed_grad", "_norm_sample")
+#: torch's warning at a backward through a module with a full backward hook (Opacus' per-sample hook) none of whose
+#: inputs needs a gradient (the first trainable layer: its input is data); that hook reads only the output gradient
+FULL_BACKWARD_HOOK = "Full backward hook is firing"
+
+
+@contextmanager
+def without_full_backward_hook_warning() -> Iterator[None]:
+    """Silence :data:`FULL_BACKWARD_HOOK` for the ``with`` block only (around the library's own backward passes)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FULL_BACKWARD_HOOK, category=UserWarning)
+        yield
 
 
 def set_trainable(params: Iterable[nn.Parameter], trainable: bool) -> None:
