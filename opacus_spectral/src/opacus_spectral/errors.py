@@ -30,6 +30,7 @@ __all__ = [
     "ComposedPrivacyWarning",
     "NoiseCertificateError",
     "LargeNoiseWarning",
+    "PastHorizonWarning",
 ]
 
 
@@ -92,6 +93,11 @@ class IgnoredSamplerWarning(UserWarning):
 class LargeNoiseWarning(UserWarning):
     """A calibrated noise multiplier above ``SIGMA_LARGE`` (100, ``docs/engine.md``, "Accounting"): the noise then
     swamps the gradient of any batch of fewer than σ records."""
+
+
+class PastHorizonWarning(UserWarning):
+    """A BandMF run goes past the steps its coefficients were optimized for (``docs/mechanisms.md``): its noise and ε
+    stay exact, the coefficients are only optimal for the shorter run."""
 
 
 class ComposedPrivacyWarning(UserWarning):

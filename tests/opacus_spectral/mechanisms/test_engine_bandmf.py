@@ -6,6 +6,7 @@ holds a noise buffer; what the accounting does not cover is refused."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -364,3 +365,18 @@ def test_a_noise_multiplier_that_changes_during_the_run_is_refused(tmp_path):
     resumed, _, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=12, noise_multiplier=2.0)
     with pytest.raises(ValueError, match="inside a band .* changes noise_multiplier"):
         resumed.load_checkpoint(path=path, module=gsm, optimizer=opt)
+
+
+def test_a_run_past_its_declared_horizon_warns_once_and_given_coefficients_never():
+    """64 declared, 160 run is legal and exactly accounted, but the coefficients were optimized for another horizon:
+    one PastHorizonWarning, at the first step past it; coefficients the caller gives carry no horizon."""
+    from opacus_spectral.errors import PastHorizonWarning
+
+    _, _, gsm, opt, dl = _private(("bandmf", {"bands": 2}), steps=4)
+    with pytest.warns(PastHorizonWarning, match="past the 4 its coefficients were optimized for") as caught:
+        _train(gsm, opt, dl, 9)
+    assert len([w for w in caught if w.category is PastHorizonWarning]) == 1
+    _, _, gsm, opt, dl = _private(("bandmf", {"bands": 2, "coefficients": [1.0, 0.5]}), steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PastHorizonWarning)
+        _train(gsm, opt, dl, 9)

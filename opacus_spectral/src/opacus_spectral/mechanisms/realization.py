@@ -7,11 +7,13 @@ Every ``make_private`` builds a fresh realization, so one mechanism object given
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
+from ..errors import PastHorizonWarning
 from .base import NoiseMechanism, check_contract
 from .strategy import Accounting, BandedToeplitz, RowNorms
 from .stream import BandStream
@@ -36,6 +38,7 @@ class Realization:
         self._stream = BandStream(strategy.coefficients)
         self.row_norm = RowNorms(strategy, steps or 1)  #: ‖row_t(M⁻¹)‖ for any t (the run may go past its length)
         self._t = 0  # the stream's step (0 after a reset: a resumed run's fresh stream)
+        self._taken = 0  #: steps this realization has taken (not reset: the horizon warning's count)
 
     @property
     def bands(self) -> int:
@@ -79,6 +82,16 @@ class Realization:
 
     def end_step(self) -> None:
         self._t += 1
+        self._taken += 1
+        horizon = self.strategy.workload.get("steps")
+        if horizon is not None and self._taken == horizon + 1:  # once, at the first step past it
+            warnings.warn(
+                f"noise mechanism {self.name!r}: this run has taken {self._taken} steps, past the {horizon} its "
+                "coefficients were optimized for (make_private's steps= / epochs=, DPTrainer's max_steps). The noise "
+                "and ε stay exact; the coefficients are optimal only for the shorter run — pass the run's length.",
+                PastHorizonWarning,
+                stacklevel=2,
+            )
 
     def reset(self) -> None:
         """A resumed run: a fresh stream (its buffers are never saved)."""
