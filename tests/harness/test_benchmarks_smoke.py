@@ -226,6 +226,7 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
         "batch-check-cost",
         "fingerprint-cost",
         "mechanism-cost",
+        "mechanism-setup",
         "mf-proxy",
         "grid",
         "audit",

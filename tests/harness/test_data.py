@@ -357,17 +357,24 @@ def test_demo_smoke_tiny(tmp_path: Path) -> None:
             "64",
             "--epsilon",
             "2",
+            "--arms",
+            "bandmf:2",
+            "rmt_paper",
             "--out",
             str(tmp_path),
         ]
     )
-    assert set(res["summary"]) == {"dp-lora", "dp-lora+rmt", "dp-lora+rmt_paper"}
+    assert list(res["summary"]) == ["dp-lora", "bandmf:2", "dp-lora+rmt_paper"]
+    assert res["proxy"] is None  # b given: no proxy
     for s in res["summary"].values():
-        assert s["steps"] == 2 and 1.5 < s["epsilon"] <= 2.0 + 1e-6
+        assert s["steps"] == 2 and 0.99 * 2.0 <= s["epsilon"] <= 2.0
         assert 0.0 <= s["accuracy"] <= 1.0
+    mf, dp = res["arms"]["bandmf:2"], res["arms"]["dp-lora"]
+    assert mf["accounting"]["sample_rate"] == 2 * 32 / 128 and mf["accounting"]["steps"] == 1
+    assert mf["noise_multiplier"] != dp["noise_multiplier"] == res["arms"]["dp-lora+rmt_paper"]["noise_multiplier"]
     rmt = res["summary"]["dp-lora+rmt_paper"]
     assert rmt["considered_layer_steps"] == 2 * 13  # 6 LoRA pairs of the top layer + classifier, per step
-    assert res["summary"]["dp-lora"]["gated_layer_steps"] is None
+    assert res["summary"]["dp-lora"]["gated_layer_steps"] is None is res["summary"]["bandmf:2"]["gated_layer_steps"]
     assert res["split_check_max_abs"] < 1e-5
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert [c[0] for c in saved["arms"]["dp-lora"]["curve"]] == [0, 1, 2]

@@ -353,3 +353,17 @@ def test_peeking_one_batch_before_training_is_not_refused(workers):
             _step(gsm, opt, dl, batches)
             done += 1
     assert done == 16 and engine.accountant.history == [(1.0, 4 / 8, 4)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_rewrapped_in_a_loader_with_workers_is_refused_before_a_skip_can_hide(workers):
+    """The returned loader's sampler re-wrapped in a DataLoader of one's own with workers: its batches are not tied to
+    their draws, and its prefetch hides a skipped batch among the draws ahead. With the returned loader on workers a
+    skip went unnoticed (the check stood down); now the first step is refused, before any update."""
+    engine, gsm, opt, dl = _private(("bandmf", {"bands": 4}), steps=16, workers=workers)
+    own = DataLoader(dl.dataset, batch_sampler=dl.batch_sampler, num_workers=2, collate_fn=dl.collate_fn)
+    batches = iter(own)
+    before = _params(gsm)
+    with pytest.raises(RuntimeError, match="iterate the loader make_private\\s+returned"):
+        _step(gsm, opt, own, batches)
+    assert all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))

@@ -1,7 +1,8 @@
-"""Demo: DP-LoRA vs DP-LoRA + RMT spectral denoising, all-MiniLM-L6-v2 on Rotten Tomatoes, at a fixed epsilon.
+"""Demo: DP-SGD vs BandMF (correlated noise) for DP-LoRA, all-MiniLM-L6-v2 on Rotten Tomatoes, at one epsilon.
 
     dp-bench demo                                   # the real model and data (the README's main job)
-    dp-bench demo --model tiny --steps 2 --out /tmp/demo   # half-minute smoke run
+    dp-bench demo --arms bandmf rmt                 # and a DP-SGD + rmt denoiser arm beside them
+    dp-bench demo --model tiny --steps 4 --batch-size 16 --tiny-train 128 --epsilon 8 --out /tmp/demo   # smoke run
     dp-bench demo --replot                          # table + accuracy plot of the committed docs/results/demo.json
     dp-bench demo --refresh-evidence                # rerun and rewrite the committed docs/results/demo*
 
@@ -17,19 +18,22 @@ Protocol (documented in docs/demo.md):
 * Speed-up (exact): the bottom encoder layers are frozen and receive no LoRA, so their outputs are computed
   once per example (eval mode) and cached (:mod:`dp_bench.frozen`); training and evaluation run only the top
   layers. The split is checked against the full model's logits whenever the cache is built.
-* Privacy: Opacus DP-SGD with Poisson sampling, flat clipping C, the noise multiplier calibrated (PRV
-  accountant) so that ``--steps`` logical steps of logical batch ``--batch-size`` reach exactly ``--epsilon``
-  at ``--delta``; physical batches via BatchMemoryManager. Every training step is private. Denoising is
-  post-processing and does not change epsilon.
-* Arms: Opacus alone (``dp-lora``), then one arm per ``--arms`` entry (default: the default ``rmt``, and
-  ``rmt_paper`` = paper A's setting, which docs/denoisers.md advises against; shown for the mechanism).
-* Every arm shares the seed: same LoRA initialization, the same Poisson batches and the same noise draws
-  (common random numbers), so the difference between them is the denoiser.
+* Arms (``--arms``, beside DP-SGD): ``dp-lora`` is DP-SGD, Opacus' Poisson sampling at q = B/N; ``bandmf``
+  (the default) is BandMF (``docs/mechanisms.md``) with the b of {1, 2, 4, 8, 16, 32} (b ≤ T, b·q ≤ 1) whose
+  noise-error proxy σ_b‖A M⁻¹‖_F / (σ_1‖A‖_F) is lowest at the demo's (q, T, ε) (:mod:`.mf_proxy`);
+  ``bandmf:<b>`` fixes b; any other entry is a DP-SGD arm with that ``post_hooks`` ('+'-joined, e.g. ``rmt``).
+* Privacy: flat clipping C, every step private; each arm's σ calibrated (PRV) to exactly ``--epsilon`` at
+  ``--delta`` through its own accounting, as the grid does (:func:`.grid.calibrate` of
+  :func:`dp_bench.noise_methods.accounting`): DP-SGD (q, T), BandMF (b·q, ⌈T/b⌉) on the cyclic Poisson sampler.
+  Denoising is post-processing and does not change epsilon. Each arm's ε is the engine's accountant's (PRV).
+* Every arm shares the seed: the same LoRA initialization and noise seed (DP-SGD arms: the same Poisson batches
+  and noise draws, so a denoiser is the only difference).
+* One seed, not a pre-registered comparison: that is docs/results.md §12 (§12.G under the shipped sampler).
 * Oracle diagnostics (benchmark only): per step, cosine of the noisy and of the denoised gradient to the
   clean clipped gradient.
 
-Writes ``<out>/demo.json`` (config, versions, per-step curves) and ``<out>/demo_accuracy.png``,
-``<out>/demo_spectrum.png``.
+Writes ``<out>/demo.json`` (config, versions, the proxy, per-step curves) and ``<out>/demo_accuracy.png``, and
+``<out>/demo_spectrum.png`` when a denoised arm ran.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,8 +55,21 @@ from ..adapters import Trainable, build_top
 from ..analysis import steps_to_reach
 from ..config import opt, parse_config, start
 from ..meta import RESULTS
+from ..noise_methods import accounting, bands_of, mechanism_of_method, sampler_of
 from ..task import FrozenTextTask, frozen_text_task
 from ..train import evaluate, run_dp
+from . import mf_proxy
+from .grid import calibrate
+
+#: the bands the ``bandmf`` arm chooses b from (docs/demo.md)
+BANDS = (1, 2, 4, 8, 16, 32)
+#: ε tolerance of the proxy's σ_b: noise_multiplier_for's default, the one :func:`.grid.calibrate` uses
+TOLERANCE = 0.01
+#: the line every comparison ends with
+CAVEAT = (
+    "One seed, not a pre-registered comparison: the pre-registered evidence is docs/results.md §12 "
+    "(§12.G: the rerun under the shipped sampler)."
+)
 
 
 @dataclass
@@ -73,7 +90,11 @@ class Config:
     eval_every: int = opt(10, "evaluate every N steps")
     eval_batch: int = opt(512, "evaluation batch size")
     seed: int = opt(0, "seed")
-    arms: list[str] = opt(["rmt", "rmt_paper"], "one arm per entry beside Opacus alone: its post_hooks, '+'-joined")
+    arms: list[str] = opt(
+        ["bandmf"],
+        "arms beside DP-SGD: bandmf (b by the noise-error proxy), bandmf:<b>, or a DP-SGD arm's post_hooks "
+        "('+'-joined, e.g. rmt)",
+    )
     hooks: list[str] = opt([], "post_hooks of one denoised arm (replaces --arms; kept for older command lines)")
     tiny_train: int = opt(512, "--model tiny: synthetic train size")
     tiny_test: int = opt(256, "--model tiny: synthetic test size")
@@ -90,14 +111,32 @@ class Config:
             raise ValueError("--refresh-evidence writes the committed evidence in docs/results: drop --out")
         if here == RESULTS.resolve() and not self.refresh_evidence:
             raise ValueError("--out docs/results would overwrite the committed evidence: pass --refresh-evidence")
+        for entry in self.extra_arms():
+            try:
+                bands_of(entry)
+            except ValueError:
+                raise ValueError(
+                    f"--arms {entry!r}: bandmf:<b> takes an integer b >= 1 (or bandmf: b by the proxy)"
+                ) from None
 
-    def denoised_arms(self) -> list[list[str]]:
-        """The post_hooks of each denoised arm."""
-        return [list(self.hooks)] if self.hooks else [a.split("+") for a in self.arms]
+    def extra_arms(self) -> list[str]:
+        """The ``--arms`` entries beside DP-SGD (``--hooks``: one denoised arm)."""
+        return ["+".join(self.hooks)] if self.hooks else list(self.arms)
 
 
+class Arm(NamedTuple):
+    """One arm: its label, its noise method (``dp-sgd`` or :mod:`dp_bench.noise_methods`' ``bandmf:<b>``) and its
+    post_hooks."""
+
+    label: str
+    method: str
+    hooks: tuple[str, ...] = ()
+
+
+#: DP-SGD alone, the arm every other is compared with
+BASELINE = Arm("dp-lora", "dp-sgd")
 #: what the demo's table and plot say beside an arm (docs/denoisers.md advises against rmt_paper)
-NOTES = {"rmt_paper": "paper A's setting", "rmt": "default"}
+NOTES = {"rmt_paper": "paper A's setting", "rmt": "default", "dp-lora": "DP-SGD, Poisson sampling"}
 LEGACY_NOTE = "rmt before its defaults changed = rmt_paper, paper A's setting"
 
 
@@ -106,8 +145,46 @@ def arm_label(hooks: Sequence[Any]) -> str:
     return "dp-lora" if not names else "dp-lora+" + "+".join(names)
 
 
-def arm_note(hooks: Sequence[str]) -> str | None:
-    return NOTES.get(hooks[0]) if len(hooks) == 1 else None
+def arm_of(entry: str, best_b: int | None = None) -> Arm:
+    """An ``--arms`` entry as an arm: ``bandmf`` with b = ``best_b`` (the proxy's), ``bandmf:<b>`` as given, else a
+    DP-SGD arm with the entry's post_hooks."""
+    method = f"bandmf:{best_b}" if entry == "bandmf" else entry
+    if bands_of(method) is not None:
+        return Arm(method, method)
+    hooks = tuple(entry.split("+"))
+    return Arm(arm_label(hooks), "dp-sgd", hooks)
+
+
+def arm_note(arm: Arm, proxy: dict[str, Any] | None) -> str | None:
+    """The note beside an arm: the proxy's choice for its BandMF arm (docs/mechanisms.md, "Choosing b")."""
+    b = bands_of(arm.method)
+    if b is None:
+        return NOTES.get(arm.hooks[0] if len(arm.hooks) == 1 else arm.label)
+    if proxy is not None and b == proxy["best_b"]:
+        return f"BandMF, b = {b}: lowest noise-error proxy, {proxy['best_ratio']:.3f} of DP-SGD's"
+    return f"BandMF, b = {b}"
+
+
+def choose_bands(q: float, steps: int, eps: float, delta: float) -> dict[str, Any]:
+    """The noise-error proxy RMSE_b / RMSE_1 (:mod:`.mf_proxy`, docs/results/mechanisms.md) at the demo's
+    (q, T, ε) for each b of :data:`BANDS` with b ≤ T and b·q ≤ 1; ``best_b`` is its argmin."""
+    bands = [b for b in BANDS if b <= steps and b * q <= 1]
+    proxy = mf_proxy.Config(sample_rate=q, delta=delta, accountant="prv", tolerance=TOLERANCE)
+    return mf_proxy.proxy_cell(proxy, steps, eps, mf_proxy.factorization_errors(steps, bands))
+
+
+def plan(cfg: Config, q: float) -> tuple[list[Arm], dict[str, Any] | None]:
+    """The arms of a run (DP-SGD first) and the proxy, computed only when an arm is ``bandmf``."""
+    entries = cfg.extra_arms()
+    proxy = choose_bands(q, cfg.steps, cfg.epsilon, cfg.delta) if "bandmf" in entries else None
+    arms = {a.label: a for a in [BASELINE, *(arm_of(e, None if proxy is None else proxy["best_b"]) for e in entries)]}
+    return list(arms.values()), proxy
+
+
+def noise_multiplier(cfg: Config, arm: Arm, q: float) -> float:
+    """σ of an arm, calibrated (PRV) to ``--epsilon`` through its own accounting, as the grid's
+    :func:`.grid.method_setup` does: DP-SGD (q, T), BandMF (b·q, ⌈T/b⌉)."""
+    return calibrate(cfg.epsilon, *accounting(arm.method, q, cfg.steps), cfg.delta)
 
 
 def fresh_folder(parent: Path | None = None) -> Path:
@@ -148,8 +225,9 @@ class Recorder:
         return 1.0  # a pass-through: the noise is unchanged
 
 
-def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: Config, acc0: float) -> dict[str, Any]:
-    """Train one arm (``hooks`` = its post_hooks) for ``cfg.steps`` logical DP steps; curves + diagnostics."""
+def run_arm(arm: Arm, task: FrozenTextTask, nm: float, cfg: Config, acc0: float) -> dict[str, Any]:
+    """Train one arm (its noise mechanism, σ = ``nm`` and post_hooks) for ``cfg.steps`` logical DP steps; curves +
+    diagnostics."""
     from opacus_spectral.step.oracle import clean_gradients
 
     trainable = Trainable("lora", "qkvoid", cfg.rank, cfg.alpha)
@@ -170,7 +248,7 @@ def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: 
         task.train,
         task.test,
         input_names=task.input_names,
-        post_hooks=[rec_noisy, *hooks, rec_out],
+        post_hooks=[rec_noisy, *arm.hooks, rec_out],
         noise_multiplier=nm,
         batch_size=cfg.batch_size,
         steps=cfg.steps,
@@ -182,14 +260,17 @@ def run_arm(label: str, hooks: list[Any], task: FrozenTextTask, nm: float, cfg: 
         eval_batch=cfg.eval_batch,
         initial_accuracy=acc0,
         delta=cfg.delta,
-        desc=f"{label:>12}",
+        desc=f"{arm.label:>12}",
         on_step=snapshot_clean,
+        noise_mechanism=mechanism_of_method(arm.method),
     )
-    names = [h if isinstance(h, str) else getattr(h, "name", type(h).__name__) for h in hooks]
+    rate, charged = accounting(arm.method, cfg.batch_size / len(task.train), cfg.steps)
     return {
-        "label": label,
-        "hooks": names,
-        "note": arm_note(names),
+        "label": arm.label,
+        "method": arm.method,
+        "hooks": list(arm.hooks),
+        "noise_multiplier": nm,
+        "accounting": {"sample_rate": rate, "steps": charged, **sampler_of(arm.method)},
         "accuracy": r["curve"][-1][1],
         "curve": r["curve"],
         "epsilon": r["epsilon"],
@@ -215,6 +296,8 @@ def summarize(arm: dict[str, Any]) -> dict[str, Any]:
         if math.isfinite(n) and math.isfinite(d) and abs(d - n) > 1e-9
     ]
     return {
+        "method": arm["method"],
+        "noise_multiplier": arm["noise_multiplier"],
         "accuracy": arm["accuracy"],
         "epsilon": arm["epsilon"],
         "steps": arm["steps"],
@@ -234,7 +317,7 @@ def table(rows: dict[str, dict[str, Any]], baseline_seconds: float, notes: dict[
     """The results table; ``notes``: what to say beside an arm (a footnote line each)."""
     w = max(14, 2 + max(map(len, rows), default=0))
     head = (
-        f"{'arm':<{w}}{'test acc':>9}{'eps':>7}{'steps':>7}{'to base':>8}{'train s':>9}{'overhead':>10}"
+        f"{'arm':<{w}}{'test acc':>9}{'eps':>7}{'sigma':>7}{'steps':>7}{'to base':>8}{'train s':>9}{'overhead':>10}"
         f"{'gated':>10}{'cos+':>9}{'cos noisy->den':>16}"
     )
     lines = [head, "-" * len(head)]
@@ -245,10 +328,11 @@ def table(rows: dict[str, dict[str, Any]], baseline_seconds: float, notes: dict[
         reach = s.get("steps_to_baseline_final_accuracy")
         pos = f"{s['changed_with_positive_cos_gain']}/{s['changed_matrix_steps']}" if s["changed_matrix_steps"] else "-"
         lines.append(
-            f"{label:<{w}}{s['accuracy']:>9.4f}{s['epsilon']:>7.2f}{s['steps']:>7d}{'-' if reach is None else reach:>8}"
-            f"{s['train_seconds']:>9.1f}{over:>9.2f}%{gated:>10}{pos:>9}{cos:>16}"
+            f"{label:<{w}}{s['accuracy']:>9.4f}{s['epsilon']:>7.2f}{s['noise_multiplier']:>7.3f}{s['steps']:>7d}"
+            f"{'-' if reach is None else reach:>8}{s['train_seconds']:>9.1f}{over:>9.2f}%{gated:>10}{pos:>9}{cos:>16}"
         )
     lines.append(
+        "sigma: noise multiplier, calibrated through the arm's own accounting (BandMF: b·q, ceil(T/b) steps); "
         "to base: first evaluated step reaching dp-lora's final accuracy; overhead: denoiser time / dp-lora training "
         "time; gated: matrix-steps the gate opened / considered; cos+: matrix-steps (finite cosines) the denoiser "
         "changed with a higher oracle cosine to the clean gradient; cos: mean over steps of the global cosine "
@@ -341,10 +425,65 @@ def plot_spectrum_of(arms: dict[str, dict[str, Any]], out: Path) -> dict[str, st
     return paths
 
 
-def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+def comparison(result: dict[str, Any]) -> str:
+    """Each arm's test-accuracy difference to DP-SGD (``dp-lora``) beside both ε (one accountant), and
+    :data:`CAVEAT`."""
+    summary, delta = result["summary"], result["config"]["delta"]
+    base = summary["dp-lora"]
+    lines = [
+        f"{label} - dp-lora: {100 * (s['accuracy'] - base['accuracy']):+.2f} test accuracy points; "
+        f"eps {s['epsilon']:.3f} vs {base['epsilon']:.3f} (target {result['config']['epsilon']:g}, "
+        f"{result['accountant'].upper()} accountant, delta {delta:g})"
+        for label, s in summary.items()
+        if label != "dp-lora"
+    ]
+    return "\n".join([*lines, CAVEAT])
+
+
+def proxy_line(proxy: dict[str, Any] | None, q: float, steps: int) -> str:
+    """The proxy's ratios and its choice, one line (empty without a ``bandmf`` arm)."""
+    if proxy is None:
+        return ""
+    ratios = ", ".join(f"b={b} {r['ratio']:.3f}" for b, r in proxy["bands"].items())
+    return f"noise-error proxy at q={q:.4f}, T={steps} (BandMF / DP-SGD): {ratios}; b = {proxy['best_b']}"
+
+
+def machine(load0: tuple[float, float, float]) -> dict[str, Any]:
+    """Where the run ran (the load average at its start and end)."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+    }
+
+
+def train_arms(
+    cfg: Config, task: FrozenTextTask, arms: list[Arm], q: float
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Every arm trained from the same seed (:func:`run_arm`), and their summaries (:func:`summarize`)."""
     from tqdm.auto import tqdm
 
-    from opacus_spectral import noise_multiplier_for
+    probe = build_top(
+        task, Trainable("lora", "qkvoid", cfg.rank, cfg.alpha), cfg.seed, pooling=cfg.pooling, reinit_head=False
+    )
+    acc0 = evaluate(probe, task.test, task.input_names, cfg.eval_batch)["accuracy"]
+    runs: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        nm = noise_multiplier(cfg, arm, q)
+        rate, charged = accounting(arm.method, q, cfg.steps)
+        tqdm.write(f"{arm.label}: noise multiplier {nm:.4f} for eps={cfg.epsilon} ({charged} steps of q={rate:.4f})")
+        runs[arm.label] = run_arm(arm, task, nm, cfg, acc0)
+    summaries = {label: summarize(a) for label, a in runs.items()}
+    for label, a in runs.items():
+        summaries[label]["steps_to_baseline_final_accuracy"] = steps_to_reach(a["curve"], runs["dp-lora"]["accuracy"])
+    return runs, summaries
+
+
+def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
 
     header = start("demo", cfg, argv)
     t0, cpu0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()
@@ -359,53 +498,44 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
         use_disk=False,
     )
     t_cache = time.perf_counter() - t0
-    n_train, n_test = len(task.train), len(task.test)
-    sample_rate = cfg.batch_size / n_train
-    nm = noise_multiplier_for(
-        target_epsilon=cfg.epsilon, target_delta=cfg.delta, sample_rate=sample_rate, steps=cfg.steps, accountant="prv"
-    )
-    info = task.info
+    n_train, n_test, info = len(task.train), len(task.test), task.info
+    q = cfg.batch_size / n_train
     tqdm.write(
         f"{info['model']} on {info['dataset']}: train {n_train}, test {n_test}, LoRA r={cfg.rank} on top "
-        f"{cfg.lora_layers} layer(s); cache {t_cache:.0f}s (split check {info['split_check']:.1e}); noise "
-        f"multiplier {nm:.3f} for eps={cfg.epsilon} in {cfg.steps} steps of q={sample_rate:.4f}"
+        f"{cfg.lora_layers} layer(s); cache {t_cache:.0f}s (split check {info['split_check']:.1e}); "
+        f"{cfg.steps} steps of expected batch {cfg.batch_size} (q={q:.4f}) at eps={cfg.epsilon}"
     )
-    probe = build_top(
-        task, Trainable("lora", "qkvoid", cfg.rank, cfg.alpha), cfg.seed, pooling=cfg.pooling, reinit_head=False
-    )
-    acc0 = evaluate(probe, task.test, task.input_names, cfg.eval_batch)["accuracy"]
-    arms: dict[str, dict[str, Any]] = {}
-    for hooks in ([], *cfg.denoised_arms()):
-        arms[arm_label(hooks)] = run_arm(arm_label(hooks), hooks, task, nm, cfg, acc0)
-    summaries = {label: summarize(a) for label, a in arms.items()}
-    target = arms["dp-lora"]["accuracy"]
-    for label, a in arms.items():
-        summaries[label]["steps_to_baseline_final_accuracy"] = steps_to_reach(a["curve"], target)
+    t1 = time.perf_counter()
+    arms, proxy = plan(cfg, q)
+    t_proxy = time.perf_counter() - t1
+    if proxy is not None:
+        tqdm.write(f"{proxy_line(proxy, q, cfg.steps)} ({t_proxy:.0f}s)")
+    runs, summaries = train_arms(cfg, task, arms, q)
     out = output_folder(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    plots = {"accuracy": str(out / "demo_accuracy.png"), **plot_spectrum_of(arms, out)}
+    plots = {"accuracy": str(out / "demo_accuracy.png"), **plot_spectrum_of(runs, out)}
     wall = time.perf_counter() - t0
     result = {
         **header,
         "out": str(out),
         "data": dict(info, train=n_train, test=n_test),
-        "noise_multiplier": nm,
-        "sample_rate": sample_rate,
+        "accountant": "prv",
+        "noise_multiplier": runs["dp-lora"]["noise_multiplier"],
+        "sample_rate": q,
+        "proxy": proxy,
+        "proxy_bands": list(BANDS),
+        "proxy_seconds": t_proxy,
         "cache_seconds": t_cache,
         "split_check_max_abs": info["split_check"],
         "wall_seconds": wall,
         "cpu_seconds": time.process_time() - cpu0,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "loadavg_start": load0,
-            "loadavg_end": os.getloadavg(),
-        },
+        "machine": machine(load0),
         "summary": summaries,
         "plots": plots,
-        "arms": {label: {k: v for k, v in a.items() if k != "recorded"} for label, a in arms.items()},
+        "arms": {
+            label: {k: v for k, v in a.items() if k != "recorded"} | {"note": arm_note(arm, proxy)}
+            for arm, (label, a) in zip(arms, runs.items(), strict=True)
+        },
     }
     print()
     runner.write(result, REPORT, out / "demo.json", out / "demo_accuracy.png", indent=1)
@@ -427,16 +557,25 @@ def stored_notes(stored: dict[str, Any]) -> dict[str, str | None]:
 
 
 def upgrade(result: dict[str, Any]) -> dict[str, Any]:
-    """A stored demo.json with every arm's note (:func:`stored_notes`: a JSON from before arms had notes)."""
+    """A stored demo.json in the current format: every arm's note (:func:`stored_notes`), and for a JSON from before
+    the BandMF arm its facts then: every arm DP-SGD at the one noise multiplier, PRV-accounted (docs/demo.md)."""
     for label, note in stored_notes(result).items():
         result["arms"][label]["note"] = note
+    result.setdefault("accountant", "prv")
+    for label, arm in result["arms"].items():
+        for record in (arm, result["summary"][label]):
+            record.setdefault("method", "dp-sgd")
+            record.setdefault("noise_multiplier", result["noise_multiplier"])
     return result
 
 
 def tables(result: dict[str, Any]) -> str:
-    """The results table of a demo result (:func:`table`)."""
+    """The results table of a demo result (:func:`table`), then :func:`comparison`."""
     notes = {label: a.get("note") for label, a in result["arms"].items()}
-    return table(result["summary"], result["arms"]["dp-lora"]["train_seconds"], notes)
+    config = result["config"]
+    proxy = proxy_line(result.get("proxy"), result["sample_rate"], config["steps"])
+    parts = [table(result["summary"], result["arms"]["dp-lora"]["train_seconds"], notes), proxy, comparison(result)]
+    return "\n".join(p for p in parts if p)
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
@@ -453,13 +592,21 @@ def plot(result: dict[str, Any], png: Path) -> None:
 REPORT = runner.Report(tables=tables, plot=plot, upgrade=upgrade)
 
 
+def missing_arms(cfg: Config, stored: Sequence[str]) -> list[str]:
+    """The arms of ``cfg`` a stored demo.json lacks; ``bandmf`` (b by the proxy) is there as any ``bandmf:<b>``."""
+    wanted = ["dp-lora", *(e if e == "bandmf" else arm_of(e).label for e in cfg.extra_arms())]
+    return [
+        w for w in wanted if w not in stored and not (w == "bandmf" and any(s.startswith("bandmf:") for s in stored))
+    ]
+
+
 def replot(cfg: Config) -> dict[str, Any]:
     """The table and the accuracy plot of ``<out or docs/results>/demo.json`` (never rewritten), drawn into
     ``--out``, docs/results (``--refresh-evidence``) or a fresh folder. Arms the JSON lacks are named."""
     source = cfg.out if cfg.out is not None else RESULTS
     out = output_folder(cfg)
     stored = runner.replot(source / "demo.json", REPORT, out / "demo_accuracy.png")
-    missing = [arm_label(h) for h in ([], *cfg.denoised_arms()) if arm_label(h) not in stored["arms"]]
+    missing = missing_arms(cfg, list(stored["arms"]))
     if missing:
         print(f"not in {source / 'demo.json'} (rerun to add them): {', '.join(missing)}")
     print(f"wrote {out / 'demo_accuracy.png'}")

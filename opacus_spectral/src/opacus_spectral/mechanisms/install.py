@@ -163,8 +163,8 @@ def check_in_step(loader: Any, step: int, state: dict[str, Any] | None = None) -
     once in every b consecutive steps). When the step's batch came from iterating the loader ``make_private`` returned
     (any ``num_workers``), its draw is known (:class:`CyclicLoader`): consecutive steps must train consecutive draws
     (a batch peeked before training only shifts the cycle, which the accounting allows). Otherwise (a loop that builds
-    its own loader over the sampler, BatchMemoryManager) the draws are counted where the loader draws in the training
-    process (``num_workers=0``)."""
+    its own loader over the sampler) the draws are counted: at most ``lookahead`` ahead of the step (a loader of
+    one's own with workers, which draws further ahead, is refused: a skipped batch would hide in its prefetch)."""
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, CyclicPoissonSampler) or sampler.groups == 1:
         return
@@ -179,14 +179,15 @@ def check_in_step(loader: Any, step: int, state: dict[str, Any] | None = None) -
                 "optimizer once per batch, in order, empty batches included."
             )
         return
-    if loader.num_workers > 0:
-        return
     if not 0 <= sampler.step - (step + 1) <= getattr(loader, "lookahead", 0):
         raise RuntimeError(
             f"cyclic Poisson sampling: DP step {step + 1} is not trained on batch {step + 1} of the loader "
             f"make_private returned ({sampler.step} drawn): every batch it yields must be stepped on, an empty one "
             "included (skipping one puts a group at two steps less than b apart, which the BandMF accounting does "
-            "not cover). Step the optimizer once per batch, in order."
+            "not cover). Step the optimizer once per batch, in order. A batch that does not come from iterating "
+            "that loader (say, its sampler re-wrapped in a DataLoader of your own) is tied to its draw by counting "
+            "the draws, which a loader with workers defeats by drawing ahead: iterate the loader make_private "
+            "returned — it keeps the num_workers of the DataLoader you passed, and ties every batch to its draw."
         )
 
 
