@@ -87,11 +87,14 @@ class Grab(TrainerCallback):
         self.grad = torch.cat([p.grad.detach().flatten().double() for p in params])
 
 
-def clipped_sum(tmp_path, task: str, side: str, rows: list[int], *, data_of=None, collator_of=None, **kw):
+def clipped_sum(
+    tmp_path, task: str, side: str, rows: list[int], *, data_of=None, collator_of=None, model_of=None, seen=None, **kw
+):
     """One DP step on ``rows`` (one logical batch: sample rate 1), noise 0: the sum of the clipped gradients (across
-    processes: the all-reduced one). ``data_of`` / ``collator_of`` replace :func:`data` / :func:`collator`."""
+    processes: the all-reduced one). ``data_of`` / ``collator_of`` / ``model_of`` replace :func:`data` /
+    :func:`collator` / :func:`model`; ``seen["trainer"]``: the trainer, when ``seen`` is a dict."""
     grab = Grab()
-    m = model(task)
+    m = (model_of or model)(task)
     extra = {"ddp_backend": "gloo"} if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1 else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -107,6 +110,8 @@ def clipped_sum(tmp_path, task: str, side: str, rows: list[int], *, data_of=None
             callbacks=[grab],
         )
         grab.trainer = t
+        if seen is not None:
+            seen["trainer"] = t
         t.train()
     assert t.sample_rate == 1.0
     return grab.grad * len(rows)

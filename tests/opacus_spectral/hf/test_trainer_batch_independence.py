@@ -64,3 +64,57 @@ def test_a_left_padded_causal_lm_batch_without_attention_mask_is_refused(tmp_pat
             data_of=lambda task, rows: unmasked.select(rows),
             collator_of=lambda task, side: DataCollatorForLanguageModeling(tok, mlm=False),
         )
+
+
+def _probed(tmp_path, task: str, side: str, rows: list[int], **kw):
+    seen: dict = {}
+    clipped_sum(tmp_path, task, side, rows, seen=seen, **kw)
+    return seen["trainer"]
+
+
+def test_the_left_padding_probe_decides_the_position_fix_whatever_the_sampled_records(tmp_path):
+    """Records of one length (no padding in the check's batch) under a left-padding collator: before, the position_ids
+    fix stayed off and later left-padded batches coupled their records (2.56·C on GPT-2); now the probe pads one record
+    by hand and finds that GPT-2 needs position_ids on every left-padded batch."""
+    same = [1, 1, 1]  # three records of 3 tokens: nothing to pad
+    t = _probed(tmp_path, "causal_lm", "left", same)
+    assert t.batch_check_result.left_padding == "positions" and t.position_ids_from_mask is True
+    batch = {
+        "input_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1], [1] * 4]),
+    }
+    assert t._model_inputs(batch)["position_ids"].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]  # per batch, from its mask
+
+
+def test_a_model_that_numbers_positions_from_its_ids_is_left_alone(tmp_path):
+    """RoBERTa counts positions over the non-pad ids itself: padding on the left changes nothing, and position_ids
+    from the mask (starting at 0, not at its pad id + 1) would be wrong — the probe leaves it alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import RobertaConfig, RobertaForTokenClassification
+
+    def roberta(task):
+        config = RobertaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            num_labels=3, pad_token_id=1, max_position_embeddings=40, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base = RobertaForTokenClassification(config)
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"], task_type="TOKEN_CLS"))
+
+    t = _probed(tmp_path, "token_classification", "right", [0, 2, 4], model_of=roberta)
+    assert t.batch_check_result.left_padding == "none" and t.position_ids_from_mask is False
+
+
+def test_a_left_padded_batch_the_probe_found_unfixable_is_refused_before_its_update(tmp_path):
+    """BERT sequence classification pools position 0 (a pad under left padding): no position_ids fix it. The check's
+    sample had no padding, so only the probe knows; a left-padded training batch is then refused."""
+    t = _probed(tmp_path, "sequence_classification", "right", [1, 1, 1])
+    assert t.batch_check_result.left_padding == "couples"
+    padded = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
+    with pytest.raises(BatchDependenceError, match="Pad on the right"):
+        t.batch_check_result.check_batch(padded)
+    t.batch_check_result.check_batch(
+        {"input_ids": torch.tensor([[5, 6, 0]]), "attention_mask": torch.tensor([[1, 1, 0]])}
+    )

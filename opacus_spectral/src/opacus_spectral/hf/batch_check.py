@@ -54,6 +54,19 @@ def with_positions(inputs: dict[str, Any]) -> dict[str, Any]:
     return {**inputs, "position_ids": positions_from_mask(mask)}
 
 
+#: the padding the left-padding probe puts before a record
+PROBE_PAD = 3
+
+
+def _pad_left(value: Any, length: int, fill: int) -> Any:
+    """A per-token tensor of a one-record batch ((1, length, ...)) with :data:`PROBE_PAD` entries of ``fill`` before
+    it; other values as they are."""
+    if not torch.is_tensor(value) or value.dim() < 2 or value.shape[:2] != (1, length):
+        return value
+    pad = torch.full((1, PROBE_PAD, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
+    return torch.cat([pad, value], dim=1)
+
+
 def _takes_position_ids(model: nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "position_ids" in inspect.signature(base.forward).parameters
@@ -66,6 +79,7 @@ class TrainerBatchCheck:
         self.trainer, self.dataset, self.collate = trainer, dataset, collate
         self.outcome: Comparison | None = None
         self.seconds: float | None = None
+        self.left_padding: str | None = None  #: :meth:`_probe_left_padding`'s finding
 
     def run(self) -> bool:
         """Compare; raise :class:`BatchDependenceError` (``batch_check="raise"``) on a difference."""
@@ -81,6 +95,12 @@ class TrainerBatchCheck:
             batches = [self.trainer._prepare_inputs(b) for b in batches]
             if self.trainer.task in ("causal_lm", "token_classification") and "labels" not in batches[0]:
                 return False  # the first training step refuses the batch, saying what is missing
+            self.left_padding = self._probe_left_padding(items[0])
+            if self.left_padding == "positions":  # every left-padded batch gets them, whatever this sample is
+                self.outcome = self._compare(batches, dropped, positions=True)
+                if self.outcome.independent is False:
+                    self._fail()
+                return True
             self.outcome = self._compare(batches, dropped, positions=False)
             if self.outcome.independent is False and self._can_fix(batches[0]):
                 fixed = self._compare(batches, dropped, positions=True)
@@ -92,6 +112,65 @@ class TrainerBatchCheck:
             return False
         finally:
             self.seconds = time.perf_counter() - start
+
+    def _probe_left_padding(self, item: Any) -> str | None:
+        """How this model treats a record padded on the left (by hand, with the model's pad token), whatever the
+        batches sampled so far: ``"none"`` (its outputs do not change: positions come from the mask or the ids),
+        ``"positions"`` (they do, and ``position_ids`` from the mask restore them), ``"couples"`` (nothing restores
+        them: a left-padded batch would couple its records) — None when there is nothing to probe."""
+        batch = self.trainer._prepare_inputs(self.collate([item]))
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+        if ids is None or mask is None or ids.dim() != 2 or ids.shape[0] != 1 or not bool(mask.all()):
+            return None
+        plain = {k: v for k, v in batch.items() if k != "labels"}
+        padded = {k: _pad_left(v, ids.shape[1], self._pad_id() if k == "input_ids" else 0) for k, v in plain.items()}
+        reference = self._logits(plain)
+        if self._close(self._logits(padded), reference):
+            return "none"
+        if _takes_position_ids(self.trainer.model) and self._close(self._logits(with_positions(padded)), reference):
+            return "positions"
+        return "couples"
+
+    def check_batch(self, inputs: dict[str, Any]) -> None:
+        """Every training batch, once the probe found that no ``position_ids`` restore a left-padded record's outputs
+        (``"couples"``): a left-padded batch is refused before its update (warned with ``batch_check="warn"``)."""
+        mask = inputs.get("attention_mask")
+        if self.left_padding != "couples" or mask is None or mask.dim() != 2 or not left_padded(mask):
+            return
+        text = (
+            "DPTrainer: this batch is left padded, and on this model a record's outputs change with the padding "
+            "before it, which no position_ids restore (e.g. a pooler that reads position 0): the padding is set by "
+            "the longest record sampled, so one record could move the clipped sum by more than "
+            "per_sample_max_grad_norm. Pad on the right (tokenizer.padding_side = 'right'). " + CAUSES
+        )
+        if self.trainer.args.batch_check == "raise":
+            raise BatchDependenceError(text)
+        warnings.warn(text, BatchCheckWarning, stacklevel=4)
+
+    def _pad_id(self) -> int:
+        """The pad token's id: the tokenizer's, else the model config's, else 0 (masked out either way)."""
+        tokenizer = getattr(self.trainer, "processing_class", None)
+        config = getattr(self.trainer.model, "config", None)
+        for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None)):
+            if isinstance(value, int):
+                return value
+        return 0
+
+    def _logits(self, inputs: dict[str, Any]) -> torch.Tensor:
+        t = self.trainer
+        with quiet_forward(t.model, t._hooks), t.compute_loss_context_manager(), torch.no_grad():
+            out = t.model(**inputs)
+        return (out["logits"] if hasattr(out, "keys") else out[0]).detach()
+
+    def _close(self, padded: torch.Tensor, plain: torch.Tensor) -> bool:
+        """The record's outputs with and without the padding agree within the dtype's tolerance (per-token outputs:
+        the padded ones at the record's own positions)."""
+        if padded.dim() >= 3 and padded.shape[1] == PROBE_PAD + plain.shape[1]:
+            padded = padded[:, PROBE_PAD:]
+        if padded.shape != plain.shape:
+            return False
+        dtypes = [plain.dtype, *autocast_dtypes(plain.device.type)]
+        return compare_gradients([plain.flatten()], [padded.flatten()], tolerance(dtypes)).independent is not False
 
     def _can_fix(self, batch: dict[str, Any]) -> bool:
         mask = batch.get("attention_mask")

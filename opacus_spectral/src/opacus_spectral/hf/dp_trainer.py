@@ -350,6 +350,8 @@ class DPTrainer(Trainer):
                 self._empty_contribution()
             return torch.zeros((), device=self.args.device)
         inputs = self._prepare_inputs(inputs)
+        if self.batch_check_result is not None:
+            self.batch_check_result.check_batch(inputs)  # a left-padded batch the probe found unfixable
         with self.compute_loss_context_manager():
             loss = self._dp_loss(model, inputs)
         # torch's full-backward-hook warning (docs/engine.md, "Warnings"): the first backward's only; the ε reads and
