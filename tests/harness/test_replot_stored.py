@@ -110,7 +110,7 @@ def test_a_smollm2_grid_records_the_bed_it_trained() -> None:
 OTHER = {
     "regime_map": ("regime_map", ["--out", "{tmp}"], "| trainable | phase | B |"),
     "regime_map_llm": ("regime_map_llm", ["--out", "{tmp}/regime_map_llm.json"], "| point | B | C |"),
-    "demo": ("demo", ["--out", "{tmp}"], "dp-lora+rmt"),
+    "demo": ("demo", ["--out", "{tmp}"], "bandmf:32"),
     "audit": ("audit", ["--out", "{tmp}/audit.json", "--plot", "{tmp}/audit.png"], "#### white-box"),
     "audit_fdp": (
         "audit",

@@ -137,7 +137,6 @@ class Arm(NamedTuple):
 BASELINE = Arm("dp-lora", "dp-sgd")
 #: what the demo's table and plot say beside an arm (docs/denoisers.md advises against rmt_paper)
 NOTES = {"rmt_paper": "paper A's setting", "rmt": "default", "dp-lora": "DP-SGD, Poisson sampling"}
-LEGACY_NOTE = "rmt before its defaults changed = rmt_paper, paper A's setting"
 
 
 def arm_label(hooks: Sequence[Any]) -> str:
@@ -547,28 +546,6 @@ def run(cfg: Config, argv: Sequence[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def stored_notes(stored: dict[str, Any]) -> dict[str, str | None]:
-    """The note of each arm of a stored demo.json; one written before arms had notes ran paper A's setting as
-    ``"rmt"`` (docs/demo.md)."""
-    legacy = all("note" not in a for a in stored["arms"].values())
-    return {
-        label: LEGACY_NOTE if legacy and a["hooks"] == ["rmt"] else a.get("note") for label, a in stored["arms"].items()
-    }
-
-
-def upgrade(result: dict[str, Any]) -> dict[str, Any]:
-    """A stored demo.json in the current format: every arm's note (:func:`stored_notes`), and for a JSON from before
-    the BandMF arm its facts then: every arm DP-SGD at the one noise multiplier, PRV-accounted (docs/demo.md)."""
-    for label, note in stored_notes(result).items():
-        result["arms"][label]["note"] = note
-    result.setdefault("accountant", "prv")
-    for label, arm in result["arms"].items():
-        for record in (arm, result["summary"][label]):
-            record.setdefault("method", "dp-sgd")
-            record.setdefault("noise_multiplier", result["noise_multiplier"])
-    return result
-
-
 def tables(result: dict[str, Any]) -> str:
     """The results table of a demo result (:func:`table`), then :func:`comparison`."""
     notes = {label: a.get("note") for label, a in result["arms"].items()}
@@ -589,7 +566,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
 
 #: the runner's report protocol for this command
-REPORT = runner.Report(tables=tables, plot=plot, upgrade=upgrade)
+REPORT = runner.Report(tables=tables, plot=plot)
 
 
 def missing_arms(cfg: Config, stored: Sequence[str]) -> list[str]:
