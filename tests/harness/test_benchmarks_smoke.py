@@ -240,7 +240,8 @@ def test_dp_bench_cli_dispatches_and_refuses_unknown_commands(tmp_path: Path) ->
 def test_batch_check_cost_smoke(tmp_path: Path) -> None:
     from dp_bench.commands import batch_check_cost
 
-    flags = ["--steps", "2", "--batch", "4", "--records", "16", "--engine-steps", "10"]
+    # batches of 16 of 64 records: a Poisson batch of fewer than 2 records (nothing to audit) has probability < 1e-6
+    flags = ["--steps", "2", "--batch", "16", "--records", "64", "--engine-steps", "10"]
     res = batch_check_cost.main([*flags, "--out", str(tmp_path / "b.json")])
     engine = res["engine_audit"]
     assert engine["audits"] >= 8 and engine["audit_s_mean"] > 0 and 0 < engine["amortized_share_1000"]
