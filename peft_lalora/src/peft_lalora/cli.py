@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -180,6 +179,7 @@ def federate(args: argparse.Namespace) -> dict[str, Any]:
 
 def _federate(args: argparse.Namespace) -> dict[str, Any]:
     from .federated.client.save import check_out_file, check_target_dir
+    from .federated.server.rounds import write_json
 
     check_run_flags(args)
     cfg = config_or_flag_error(args)
@@ -214,8 +214,7 @@ def _federate(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         out = _simulate(cfg, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)  # atomic: a crash mid-write never leaves half a federation's result
     return out
 
 

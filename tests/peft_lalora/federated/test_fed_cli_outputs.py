@@ -3,6 +3,7 @@ run), and the defaults are what docs/results.md §9 measured best, with the evid
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -77,3 +78,22 @@ def test_defaults_are_section_9s_best_and_help_cites_it(capsys):
     # an explicit flag still wins
     cfg = config_from_args(build_parser().parse_args(["federate", "--algo", "la-lora", "--optimizer", "adamw"]))
     assert (cfg.algo, cfg.optimizer) == ("la-lora", "adamw")
+
+
+def test_a_result_written_when_a_crash_cuts_the_write_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """``--out`` and the Flower server's result file are written through a temporary file and a rename: a crash in
+    the middle of the write (simulated: half the text, then an error) leaves the earlier result, never half a JSON."""
+    from peft_lalora.federated.server.rounds import write_json
+
+    path = write_json(tmp_path / "r.json", {"round": 1})
+    real = Path.write_text
+
+    def crash(self, text, *a, **k):
+        real(self, text[: len(text) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_json(path, {"round": 2, "accuracy": [0.5] * 100})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"round": 1}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -111,10 +112,18 @@ class FederationResult:
         }
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_json(), indent=2, allow_nan=True))
-        return p
+        return write_json(path, self.to_json())
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """``obj`` as JSON (indent 2, NaN allowed) at ``path``, atomically: a temporary file in the same folder renamed
+    over it, so a crash mid-write leaves the previous file (or none), never half a result."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+    os.replace(tmp, p)
+    return p
 
 
 @dataclass
