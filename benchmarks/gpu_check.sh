@@ -5,7 +5,9 @@
 #
 # 1. the denoiser/filter/diagnostics tests with every tensor on cuda (OPACUS_SPECTRAL_TEST_DEVICE=cuda), including
 #    tests/opacus_spectral/denoisers/test_screen.py: the Cholesky certificate, block Lanczos, the Krylov gate and its exact re-check, the
-#    complete spike sets and the in-place projection (docs/math.md §1.12) on the GPU;
+#    complete spike sets and the in-place projection (docs/math.md §1.12) on the GPU; and the noise certificate's
+#    accelerator path (on-device statistics, torch._assert_async before the update) on a BandMF run, correct and
+#    tampered (tests/opacus_spectral/mechanisms/test_certification.py::test_the_certificate_on_the_tests_device);
 # 2. the overhead benchmark on cuda, all three regimes: (a) all-MiniLM-L6-v2 at initialisation, batch 32 × seq 64,
 #    LoRA and full fine-tuning, batched vs naive loop, peak extra memory from torch.cuda.max_memory_allocated;
 #    (b) the warm LoRA adapter at logical batch 1024; (c) synthetic spiked gradients up to 4096 × 4096 through
@@ -26,6 +28,8 @@ PYEOF
 export OPACUS_SPECTRAL_TEST_DEVICE=cuda
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
     tests/opacus_spectral/denoisers/test_spectral.py tests/opacus_spectral/denoisers/test_screen.py tests/opacus_spectral/denoisers/test_rmt.py tests/opacus_spectral/denoisers/test_filters.py tests/opacus_spectral/denoisers/test_diagnostics.py
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/opacus_spectral/mechanisms/test_certification.py \
+    -k tests_device
 timeout 420 "$PY" -m dp_bench.cli overhead --device cuda --steps 8 --warmup 3 --reps 10 \
     --warm-physical 1024 --synthetic-reps 6 --big-steps 6 --out docs/results/overhead_gpu.json
 echo "gpu_check: done -> docs/results/overhead_gpu.json"

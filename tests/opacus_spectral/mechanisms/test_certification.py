@@ -367,3 +367,58 @@ def test_a_sampler_rewrapped_in_a_loader_with_workers_is_refused_before_a_skip_c
     with pytest.raises(RuntimeError, match="iterate the loader make_private\\s+returned"):
         _step(gsm, opt, own, batches)
     assert all(torch.equal(a, p) for a, p in zip(before, gsm.parameters(), strict=True))
+
+
+# -- the certificate on the tests' device (CPU here; cuda in benchmarks/gpu_check.sh) -------------------------------
+_ON_DEVICE = """
+import sys, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from opacus_spectral import PrivacyEngine
+
+device, kind = torch.device(sys.argv[1]), sys.argv[2]
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(64, 96, generator=g), torch.randint(0, 4, (64,), generator=g))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 4)).to(device)
+engine = PrivacyEngine(accountant="rdp")
+gsm, opt, dl = engine.make_private(
+    module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=8),
+    noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism=("bandmf", {"bands": 4}), steps=24,
+)
+if kind == "tenth":  # a tampered add_noise: a tenth of the charged noise
+    std = opt.noise_multiplier * opt.max_grad_norm
+    def add_noise():
+        for p in opt.params:
+            z = torch.normal(0.0, std, size=p.summed_grad.shape, device=p.summed_grad.device)
+            p.grad = (p.summed_grad + 0.1 * z).view_as(p)
+    opt.add_noise = add_noise
+for _ in range(3):
+    for x, y in dl:
+        opt.zero_grad()
+        out = gsm(x.to(device))
+        (nn.functional.cross_entropy(out, y.to(device)) if len(x) else out.sum() * 0.0).backward()
+        opt.step()
+if device.type == "cuda":
+    torch.cuda.synchronize()
+print("steps", engine.noise_certificate.t)
+"""
+
+
+def test_the_certificate_on_the_tests_device(device):
+    """The whole path on the device the tests run on (``OPACUS_SPECTRAL_TEST_DEVICE``): a correct BandMF run passes 24
+    steps; a tenth of the noise stops the process (on an accelerator by ``torch._assert_async``, which leaves the
+    device unusable, hence a child process each) with the certificate's message."""
+    import subprocess
+    import sys
+
+    from repo_support import subprocess_env
+
+    def run(kind):
+        cmd = [sys.executable, "-c", _ON_DEVICE, str(device), kind]
+        return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=300, check=False)
+
+    good = run("correct")
+    assert good.returncode == 0 and "steps 24" in good.stdout, good.stderr[-2000:]
+    bad = run("tenth")
+    assert bad.returncode != 0 and "noise certificate" in bad.stderr, bad.stderr[-2000:]
