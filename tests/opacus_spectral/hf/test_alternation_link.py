@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from opacus_spectral.plugins.registry import get_registry
 from peft_lalora.alternation.factors import find_lora_factors, set_requires_grad
@@ -103,4 +104,28 @@ def test_any_plugin_can_answer_the_hook(tmp_path):
         registry.unregister("third-party-alternation")
     assert isinstance(lalora.controller, AlternationController)
     assert other.controller == "controller" and lora.controller is None
-    assert plugin.asked == [lalora, other, lora]
+    # the order every hook is called in, oldest registration first: peft-lalora (an entry point) answers for its
+    # LALoRA model before the third party is asked (pluggy's own dispatch, LIFO, asked the newest first)
+    assert plugin.asked == [other, lora]
+
+
+def test_the_oldest_registration_answers_first_and_a_refusal_reaches_the_caller(tmp_path):
+    class Refusing:
+        @hookimpl
+        def opacus_spectral_alternation_controller(self, trainer):
+            raise ValueError("this set-up is refused")
+
+    registry = get_registry()
+    first, second = ThirdParty(), Refusing()
+    assert registry.register(first, name="third-party-first") and registry.register(second, name="third-party-second")
+    try:
+        t = trainer(tmp_path, model=tiny_bert(seed=0))
+        t._attach_alternation()  # the older registration answers: the refusing newer one is never asked
+        assert t.controller == "controller"
+        registry.unregister("third-party-first")
+        with pytest.raises(ValueError, match="this set-up is refused"):
+            trainer(tmp_path / "b", model=tiny_bert(seed=0))._attach_alternation()
+    finally:
+        for name in ("third-party-first", "third-party-second"):
+            if registry.pm.get_plugin(name) is not None:
+                registry.unregister(name)

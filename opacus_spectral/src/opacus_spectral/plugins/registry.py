@@ -142,12 +142,25 @@ class Registry:
             f"opacus_spectral: skipping plugin {plugin!r}{src} at {stage}: {err.error}", RuntimeWarning, stacklevel=3
         )
 
+    def _impls(self, hook_name: str) -> list[Any]:
+        """One hook's implementations, oldest registration first — the one order every hook is called in (pluggy
+        *calls* them LIFO; we don't)."""
+        self.load()
+        return list(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def first_answer(self, hook_name: str, **kwargs: Any) -> Any | None:
+        """The first non-``None`` answer of a ``firstresult`` hook, oldest registration first. Not guarded: the hook's
+        exception is the implementation refusing the set-up it was asked about, and reaches the caller."""
+        for impl in self._impls(hook_name):
+            res = impl.function(**{a: kwargs[a] for a in impl.argnames})
+            if res is not None:
+                return res
+        return None
+
     def _call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call one hook's implementations one by one, oldest registration first, each guarded."""
-        self.load()
-        caller = getattr(self.pm.hook, hook_name)
         results: list[tuple[str, Any]] = []
-        for impl in caller.get_hookimpls():  # registration order (pluggy *calls* them LIFO; we don't)
+        for impl in self._impls(hook_name):
             plugin_name = impl.plugin_name
             try:
                 res = impl.function(**{a: kwargs[a] for a in impl.argnames})
@@ -388,10 +401,9 @@ def load_errors() -> list[LoadError]:
 
 def alternation_controller(trainer: Any) -> Any | None:
     """The alternation controller a plugin attaches to ``trainer`` (the ``opacus_spectral_alternation_controller``
-    hook), or ``None``. Unguarded, unlike the other hooks: a controller refusing the set-up raises to the user."""
-    registry = get_registry()
-    registry.load()
-    return registry.pm.hook.opacus_spectral_alternation_controller(trainer=trainer)
+    hook), or ``None``: :meth:`Registry.first_answer`, in the order every hook is called in; a controller refusing the
+    set-up raises to the user."""
+    return get_registry().first_answer("opacus_spectral_alternation_controller", trainer=trainer)
 
 
 def create_denoisers(hooks: Sequence[DenoiserSpec] | None, registry: Registry | None = None) -> list[DenoiserProtocol]:
