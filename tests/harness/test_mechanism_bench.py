@@ -188,7 +188,12 @@ def test_mechanism_setup_compares_the_optimizers_and_times_the_set_up(
     assert abs(res["dense"][0]["result"]["relative_objective"]) < 1e-6
     assert res["make_private"]["result"]["seconds"] > 0 and res["make_private_cached"]["steps"] == 300
     assert "long" not in res
-    assert res["trainer"]["result"]["steps_done"] == 8 and res["trainer"]["result"]["epsilon"] > 0
+    from opacus_spectral import epsilon_from_history
+
+    # BandMF b = 4 at q = 8/512, σ = 1 (κ = 1): DP-SGD's (1, 4q) charged at steps 0 and 4 of 8
+    charged = epsilon_from_history([(1.0, 4 * 8 / 512, 2)], 1e-5, "prv")
+    assert res["trainer"]["result"]["steps_done"] == 8
+    assert res["trainer"]["result"]["epsilon"] == pytest.approx(charged, rel=1e-6)
     capsys.readouterr()
     cli.run(["mechanism-setup", "--replot", "--out", str(out), "--plot", str(png)])
     assert "| make_private_cached | 300 | 8 |" in capsys.readouterr().out

@@ -158,8 +158,12 @@ def test_a_long_horizon_is_optimized_without_any_dense_matrix():
     from opacus_spectral.mechanisms.strategy import BandedToeplitz
 
     BandedToeplitz(c)  # stable (refused otherwise)
+    steps = bandmf_math.MAX_DENSE_STEPS + 1
     with pytest.raises(ValueError, match="schedule makes the workload dense"):
-        optimal_coefficients(bandmf_math.MAX_DENSE_STEPS + 1, 4, learning_rates=[1.0, 0.5] * 2049)
+        optimal_coefficients(steps, 4, learning_rates=([1.0, 0.5] * steps)[:steps])
+    for bad in ([1.0] * (steps + 1), [float("nan")] * steps):  # one rate per step, each finite
+        with pytest.raises(ValueError, match="finite numbers, one per step"):
+            optimal_coefficients(steps, 4, learning_rates=bad)
 
 
 def test_optimized_coefficients_are_kept_on_disk_and_a_bad_cache_file_is_recomputed(tmp_path, monkeypatch):

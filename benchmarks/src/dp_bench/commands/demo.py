@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .. import runner
+from .. import meta, runner
 from ..adapters import Trainable, build_top
 from ..analysis import steps_to_reach
 from ..config import opt, parse_config, start
@@ -448,15 +447,8 @@ def proxy_line(proxy: dict[str, Any] | None, q: float, steps: int) -> str:
 
 
 def machine(load0: tuple[float, float, float]) -> dict[str, Any]:
-    """Where the run ran (the load average at its start and end)."""
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_start": load0,
-        "loadavg_end": os.getloadavg(),
-    }
+    """Where the run ran (:func:`dp_bench.meta.machine`) and the load average at its start and end."""
+    return {**meta.machine(), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
 
 
 def train_arms(

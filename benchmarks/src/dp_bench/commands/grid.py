@@ -451,13 +451,14 @@ def code_state(p: dict[str, Any]) -> tuple[Any, ...]:
     return (p.get("commit"), p.get("dirty"), p.get("diff"))
 
 
-def check_one_code_state(result: dict[str, Any], cfg: Config) -> None:
-    """Refuse to add runs from a code state other than the stored runs' (a run without a record counts as
-    another) unless ``--allow-mixed-commits``, which is recorded in ``result["mixed_commits"]``."""
+def check_one_code_state(result: dict[str, Any], cfg: Config) -> tuple[Any, ...]:
+    """This checkout's code state (:func:`code_state`). Refuses to add runs from a code state other than the stored
+    runs' (a run without a record counts as another) unless ``--allow-mixed-commits``, which is recorded in
+    ``result["mixed_commits"]``."""
     here = code_state(checkout())
     others = sorted({code_state(r.get("provenance", {})) for r in result["runs"].values()} - {here}, key=str)
     if not others:
-        return
+        return here
     if not cfg.allow_mixed_commits:
         raise SystemExit(
             f"{cfg.name}: its stored runs come from other code ({', '.join(str(o[0])[:12] for o in others)}) than "
@@ -467,6 +468,7 @@ def check_one_code_state(result: dict[str, Any], cfg: Config) -> None:
     result.setdefault("mixed_commits", []).append(
         {"at": now_utc(), "commit": here[0], "dirty": here[1], "diff": here[2]}
     )
+    return here
 
 
 def choose(result: dict[str, Any], cfg: Config, method: str, parts: tuple[str, ...]) -> tuple[list[list[float]], bool]:
@@ -644,10 +646,9 @@ def run(cfg: Config, argv: Sequence[str] | None) -> dict[str, Any]:
     result.setdefault("commands", [result["command"]] if "command" in result else [])
     result["commands"].append(header["command"])  # every invocation that built this JSON, in order
     result.update({**header, "data": task.info, "accountant": "prv (rdp beside it)"})
-    check_one_code_state(result, cfg)
+    here = check_one_code_state(result, cfg)
     store = SharedResult(path, result, upgrade=REPORT.upgrade)
     t_start = time.perf_counter()
-    here = code_state(checkout())
 
     def train(cell: Cell, lr: float) -> dict[str, Any]:
         optimizer, batch = cell.cell

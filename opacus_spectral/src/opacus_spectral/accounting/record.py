@@ -428,12 +428,13 @@ def write_privacy_record(record: PrivacyRecord, folder: str | os.PathLike[str]) 
     """Write ``record`` to ``folder/privacy_record.json`` atomically (every run needs its δ). Returns the path."""
     if any(r.delta is None for r in record.runs):
         raise ValueError("save_privacy_record needs delta=: the δ at which you report this run's epsilon")
-    parse_record(record.to_json())  # what is written reads back
+    body = record.to_json()
+    parse_record(body)  # what is written reads back
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, RECORD_FILE)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record.to_json(), f, indent=1, allow_nan=False)
+        json.dump(body, f, indent=1, allow_nan=False)
     os.replace(tmp, path)
     return path
 

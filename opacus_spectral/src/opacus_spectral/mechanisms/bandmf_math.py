@@ -28,6 +28,8 @@ import torch
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
+from .strategy import STABILITY_MARGIN, impulse_response, smallest_root
+
 __all__ = [
     "column_norms",
     "error_column",
@@ -127,9 +129,7 @@ def error_column(coefficients: Sequence[float] | np.ndarray, steps: int, momentu
 
 def _columns(c: np.ndarray, steps: int, momentum: float) -> tuple[np.ndarray, np.ndarray]:
     """(d, e): M⁻¹'s first column (the impulse response of 1/c(z)) and A M⁻¹'s."""
-    impulse = np.zeros(steps)
-    impulse[0] = 1.0
-    d = lfilter([1.0], c, impulse)
+    d = impulse_response(c, steps)
     smoothed = d if momentum == 0 else lfilter([1.0], [1.0, -momentum], d)
     return d, np.cumsum(smoothed)
 
@@ -150,15 +150,16 @@ def optimal_coefficients(
         raise ValueError(f"steps must be an integer >= bands, got {steps!r} (bands={bands})")
     if not 0 <= momentum < 1:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if learning_rates is not None and len(set(float(x) for x in learning_rates)) > 1:
+    lrs = None if learning_rates is None else tuple(float(x) for x in learning_rates)
+    if lrs is not None and (len(lrs) != steps or not all(math.isfinite(x) for x in lrs)):
+        raise ValueError(f"learning_rates must be {steps} finite numbers, one per step")
+    if lrs is not None and len(set(lrs)) > 1:  # a constant rate scales A: the prefix sums' optimum
         if steps > MAX_DENSE_STEPS:
             raise ValueError(
                 f"a learning-rate schedule makes the workload dense (T × T): at most {MAX_DENSE_STEPS} steps, got "
                 f"{steps}; optimize for the prefix sums (no schedule) instead"
             )
-        return _optimize_dense(steps, bands, float(momentum), tuple(float(x) for x in learning_rates))
-    if learning_rates is not None and len(learning_rates) != steps:
-        raise ValueError(f"learning_rates must be {steps} finite numbers, one per step")
+        return _optimize_dense(steps, bands, float(momentum), lrs)
     return _optimize(steps, bands, float(momentum), progress)
 
 
@@ -176,8 +177,7 @@ def _optimize(steps: int, bands: int, momentum: float, progress: Callable[[], No
 
     def log_error(tail: np.ndarray) -> tuple[float, np.ndarray]:
         c = np.concatenate([[1.0], tail])
-        roots = np.roots(c[::-1])
-        if not np.isfinite(c).all() or np.abs(roots).min() <= 1 + 1e-9:
+        if not np.isfinite(c).all() or smallest_root(c) <= 1 + STABILITY_MARGIN:  # the engine would refuse it
             return _OUTSIDE, np.zeros_like(tail)
         value, grad = toeplitz_error(c, steps, momentum)
         if not (math.isfinite(value) and np.isfinite(grad).all() and value > 0):

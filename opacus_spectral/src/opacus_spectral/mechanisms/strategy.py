@@ -97,10 +97,8 @@ class BandedToeplitz:
         return Accounting(float(noise_multiplier) / self.kappa, float(self.bands * sample_rate), self.bands)
 
     def impulse_response(self, steps: int) -> np.ndarray:
-        """d_0 … d_{T−1}: the first column of M⁻¹ (lower-triangular Toeplitz), the response of 1/c(z), O(T·b)."""
-        impulse = np.zeros(int(steps))
-        impulse[:1] = 1.0
-        return lfilter([1.0], np.asarray(self.coefficients), impulse)
+        """d_0 … d_{T−1}: the first column of M⁻¹ (:func:`impulse_response`)."""
+        return impulse_response(self.coefficients, steps)
 
     def row_norms(self, steps: int) -> np.ndarray:
         """‖row_t(M⁻¹)‖₂ for t < T: √(Σ_{k≤t} d_k²) — the per-entry std of the released noise at step t in units of
@@ -119,6 +117,13 @@ class RowNorms:
         if t >= len(self._norms):
             self._norms = self.strategy.row_norms(max(2 * len(self._norms), t + 1))
         return float(self._norms[t])
+
+
+def impulse_response(coefficients: Sequence[float] | np.ndarray, steps: int) -> np.ndarray:
+    """d_0 … d_{T−1}: the first column of M⁻¹ (lower-triangular Toeplitz), the response of 1/c(z), O(T·b)."""
+    impulse = np.zeros(int(steps))
+    impulse[:1] = 1.0
+    return lfilter([1.0], np.asarray(coefficients, dtype=np.float64), impulse)
 
 
 def smallest_root(coefficients: Sequence[float]) -> float:
